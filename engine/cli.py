@@ -1,0 +1,145 @@
+"""The `kvscope` command. Flags are named as in llama.cpp's tools."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from engine.errors import KvscopeError
+from engine.sampling import SamplerParams
+
+log = logging.getLogger("kvscope.cli")
+
+
+def _add_context_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", required=True, help="GGUF file or Hugging Face folder")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size (0 = the model's n_ctx_train)")
+    p.add_argument("-b", "--batch-size", type=int, default=2048, help="logical batch size")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="physical batch size")
+    p.add_argument("-np", "--parallel", type=int, default=1, help="number of parallel sequences")
+    p.add_argument("-kvu", "--kv-unified", action="store_true", help="one KV buffer shared by all sequences")
+    p.add_argument("--pad", type=int, default=256,
+                   help="cache size padding in cells (llama.cpp: always 256; smaller for teaching)")
+    p.add_argument("-ctk", "--cache-type-k", default="f16", help="K cache type: f32, f16, bf16")
+    p.add_argument("-ctv", "--cache-type-v", default="f16", help="V cache type: f32, f16, bf16")
+    p.add_argument("-fa", "--flash-attn", default="auto", choices=["auto", "on", "off"],
+                   help="decides the V layout as in llama.cpp (off: V transposed)")
+    p.add_argument("--swa-full", action="store_true", help="full-size SWA cache (sliding-window models)")
+    p.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"], help="compute dtype")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-s", "--seed", type=int, default=None, help="RNG seed (default: random)")
+    p.add_argument("--temp", type=float, default=0.8, help="temperature (<= 0: greedy)")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--repeat-last-n", type=int, default=64)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvscope", allow_abbrev=False,
+                                     description="kvscope: a live explorer of LLM KV caches")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", allow_abbrev=False, help="generate text and print llama.cpp's logs")
+    _add_context_flags(gen)
+    _add_sampling_flags(gen)
+    gen.add_argument("-p", "--prompt", default="Once upon a time")
+    gen.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate per sequence")
+    tiny = sub.add_parser("make-tiny-model", help="write a tiny random llama (HF folder and GGUF) for demos")
+    tiny.add_argument("folder")
+    return parser
+
+
+def _context_kwargs(args: argparse.Namespace) -> dict:
+    return dict(n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size, n_seq_max=args.parallel,
+                kv_unified=args.kv_unified, pad=args.pad, type_k=args.cache_type_k, type_v=args.cache_type_v,
+                flash_attn=args.flash_attn, swa_full=args.swa_full)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import engine
+    from engine.generate import Generator
+
+    t_load = time.perf_counter()
+    model = engine.load_model(args.model, dtype=args.dtype)
+    load_ms = (time.perf_counter() - t_load) * 1e3
+    ctx = engine.Context(model, **_context_kwargs(args))
+    params = SamplerParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                           repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=args.seed)
+    gen = Generator(ctx, params)
+    log.info("sampler seed: %d", gen.sampler.seed)
+    n_par = args.parallel
+    if n_par == 1:
+        sys.stdout.write(args.prompt)
+        result = gen.generate(args.prompt, args.n_predict, on_text=lambda _s, text: _write(text))
+        sys.stdout.write("\n")
+        results = [result]
+    else:
+        results = gen.generate_parallel([args.prompt] * n_par, args.n_predict)
+        for r in results:
+            sys.stdout.write(f"\n[seq {r.seq_id}] {args.prompt}{r.text}\n")
+    sys.stdout.flush()
+    for r in results:
+        if r.stop_reason not in ("length", "eog"):
+            log.warning("seq %d stopped: %s", r.seq_id, r.stop_reason)
+    _print_perf(ctx, gen, load_ms)
+    return 0
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _print_perf(ctx, gen, load_ms: float) -> None:
+    perf = ctx.perf
+    name = "llama_perf_context_print"
+
+    def rate(ms: float, n: int) -> tuple[float, float]:
+        return (ms / n if n else 0.0, 1e3 * n / ms if ms > 0 else 0.0)
+
+    lines = [f"{name}:        load time = {load_ms:10.2f} ms"]
+    per, tps = rate(perf.t_p_eval_ms, perf.n_p_eval)
+    lines.append(f"{name}: prompt eval time = {perf.t_p_eval_ms:10.2f} ms / {perf.n_p_eval:5d} tokens "
+                 f"({per:8.2f} ms per token, {tps:8.2f} tokens per second)")
+    per, tps = rate(perf.t_eval_ms, perf.n_eval)
+    lines.append(f"{name}:        eval time = {perf.t_eval_ms:10.2f} ms / {perf.n_eval:5d} runs   "
+                 f"({per:8.2f} ms per token, {tps:8.2f} tokens per second)")
+    per, tps = rate(gen.t_sample_ms, gen.n_sample)
+    lines.append(f"{name}:    sampling time = {gen.t_sample_ms:10.2f} ms / {gen.n_sample:5d} runs   "
+                 f"({per:8.2f} ms per token, {tps:8.2f} tokens per second)")
+    total = load_ms + perf.t_p_eval_ms + perf.t_eval_ms + gen.t_sample_ms
+    lines.append(f"{name}:       total time = {total:10.2f} ms / {perf.n_p_eval + perf.n_eval:5d} tokens")
+    for line in lines:
+        print(line, file=sys.stderr)
+
+
+def cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from engine.testing.tiny_models import write_tiny_llama_demo
+
+    hf, gguf_path = write_tiny_llama_demo(args.folder)
+    print(f"wrote {hf} and {gguf_path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
+                        format="%(message)s", stream=sys.stderr)
+    commands = {"generate": cmd_generate, "make-tiny-model": cmd_make_tiny_model}
+    try:
+        return commands[args.command](args)
+    except KvscopeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:  # sampler parameter validation
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,303 @@
+"""A context: cache sizing from the parameters, and decode (batch -> ubatches -> cache -> model -> logits).
+
+Mirrors llama.cpp's llama_context: the same parameter rounding, the same split strategies, the same
+return codes (0 ok, 1 no slot, 2 aborted, -1 invalid batch, -3 compute failure) and the same cleanup
+after a failure part-way through a batch.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from engine import events as ev
+from engine.batch import Batch, BatchAllocator, UBatch
+from engine.errors import BatchTooLargeError, ContextParamsError, InvalidBatchError
+from engine.kv.cache import CacheLayout, KVCache
+from engine.kv.cells import MAX_SEQ
+from engine.kv.types import cache_type
+from engine.models.model import Model
+from engine.models.transformer import DecodeAborted
+
+log = logging.getLogger("kvscope.context")
+
+FLASH_ATTN_MODES = ("auto", "on", "off")
+
+
+def pad_to(n: int, pad: int) -> int:
+    return (n + pad - 1) // pad * pad
+
+
+@dataclass(frozen=True)
+class ContextParams:
+    """Resolved sizes, as llama.cpp computes them from the requested parameters."""
+
+    n_ctx: int
+    n_ctx_seq: int
+    n_batch: int
+    n_ubatch: int
+    n_seq_max: int
+    n_stream: int
+    kv_unified: bool
+    pad: int
+    type_k: str
+    type_v: str
+    flash_attn: str
+    v_trans: bool
+    swa_full: bool
+
+    @classmethod
+    def resolve(cls, *, n_ctx_train: int, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int,
+                kv_unified: bool, pad: int, type_k: str, type_v: str, flash_attn: str,
+                swa_full: bool) -> "ContextParams":
+        if pad < 1:
+            raise ContextParamsError(f"pad must be >= 1, got {pad}")
+        if n_ctx < 0 or n_batch < 0 or n_ubatch < 0:
+            raise ContextParamsError(f"sizes must not be negative (n_ctx={n_ctx}, n_batch={n_batch}, n_ubatch={n_ubatch})")
+        n_seq_max = max(1, n_seq_max)
+        if n_seq_max > MAX_SEQ:
+            raise ContextParamsError(f"n_seq_max = {n_seq_max} > {MAX_SEQ}")
+        if flash_attn not in FLASH_ATTN_MODES:
+            raise ContextParamsError(f"flash_attn must be one of {FLASH_ATTN_MODES}, got {flash_attn!r}")
+        cache_type(type_k), cache_type(type_v)
+        n_ctx = pad_to(n_ctx or n_ctx_train, pad)
+        if kv_unified:
+            n_ctx_seq = n_ctx
+        else:
+            n_ctx_seq = pad_to(n_ctx // n_seq_max, pad)
+            n_ctx = n_ctx_seq * n_seq_max
+        n_batch = min(n_ctx, n_batch or n_ctx)
+        n_ubatch = min(n_batch, n_ubatch or n_batch)
+        return cls(n_ctx, n_ctx_seq, n_batch, n_ubatch, n_seq_max, 1 if kv_unified else n_seq_max, kv_unified,
+                   pad, type_k.lower(), type_v.lower(), flash_attn, flash_attn == "off", swa_full)
+
+
+@dataclass
+class PerfCounters:
+    """llama.cpp's llama_perf_context numbers."""
+
+    t_p_eval_ms: float = 0.0
+    n_p_eval: int = 0
+    t_eval_ms: float = 0.0
+    n_eval: int = 0
+    n_decode: int = 0
+    ubatch_ms: list[float] = field(default_factory=list)
+
+
+class Context:
+    """Decode batches against a llama.cpp-exact KV cache, publishing every cache change on `bus`."""
+
+    def __init__(self, model: Model, *, n_ctx: int = 512, n_batch: int = 2048, n_ubatch: int = 512,
+                 n_seq_max: int = 1, kv_unified: bool = False, pad: int = 256, type_k: str = "f16",
+                 type_v: str = "f16", flash_attn: str = "auto", swa_full: bool = False,
+                 abort_callback: Callable[[], bool] | None = None, bus: ev.EventBus | None = None) -> None:
+        cfg = model.config
+        self.model = model
+        self.params = ContextParams.resolve(
+            n_ctx_train=cfg.n_ctx_train, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max,
+            kv_unified=kv_unified, pad=pad, type_k=type_k, type_v=type_v, flash_attn=flash_attn,
+            swa_full=swa_full)
+        self.bus = bus if bus is not None else ev.EventBus()
+        self.abort_callback = abort_callback
+        self.perf = PerfCounters()
+        p = self.params
+        layout = CacheLayout(
+            layer_ids=tuple(range(cfg.n_layer)), n_embd_k=cfg.n_embd_k_gqa, n_embd_v=cfg.n_embd_v_gqa,
+            n_head_kv=cfg.n_head_kv, head_dim=cfg.head_dim, kv_size=p.n_ctx_seq, n_stream=p.n_stream,
+            n_seq_max=p.n_seq_max, type_k=cache_type(p.type_k), type_v=cache_type(p.type_v),
+            v_trans=p.v_trans, pad=p.pad)
+        self.memory = KVCache(layout, bus=self.bus, key_shifter=model.transformer.rotary.shift_keys)
+        self.init_log_lines = self._context_log_lines() + self.memory.init_log_lines()
+        for line in self.init_log_lines:
+            log.info("%s", line)
+        self._logits: torch.Tensor | None = None
+        self._output_batch_idx: np.ndarray = np.zeros(0, dtype=np.int64)
+        self.last_error = ""
+        self._publish_created()
+
+    # ---- sizes ----------------------------------------------------------------------------
+    @property
+    def n_ctx(self) -> int:
+        return self.params.n_ctx
+
+    @property
+    def n_batch(self) -> int:
+        return self.params.n_batch
+
+    @property
+    def n_ubatch(self) -> int:
+        return self.params.n_ubatch
+
+    @property
+    def n_seq_max(self) -> int:
+        return self.params.n_seq_max
+
+    def _context_log_lines(self) -> list[str]:
+        p, cfg = self.params, self.model.config
+        lines = [
+            "llama_context: constructing llama_context",
+            f"llama_context: n_seq_max     = {p.n_seq_max}",
+            f"llama_context: n_ctx         = {p.n_ctx}",
+            f"llama_context: n_ctx_seq     = {p.n_ctx_seq}",
+            f"llama_context: n_batch       = {p.n_batch}",
+            f"llama_context: n_ubatch      = {p.n_ubatch}",
+            "llama_context: causal_attn   = 1",
+            f"llama_context: flash_attn    = {p.flash_attn}",
+            f"llama_context: kv_unified    = {'true' if p.kv_unified else 'false'}",
+            f"llama_context: freq_base     = {cfg.rope_theta:.1f}",
+            "llama_context: freq_scale    = 1",
+        ]
+        if p.n_ctx_seq < cfg.n_ctx_train:
+            lines.append(f"llama_context: n_ctx_seq ({p.n_ctx_seq}) < n_ctx_train ({cfg.n_ctx_train}) -- "
+                         "the full capacity of the model will not be utilized")
+        return lines
+
+    def _publish_created(self) -> None:
+        if not self.bus.active:
+            return
+        p, mem = self.params, self.memory
+        self.bus.publish(ev.ContextCreated(
+            cache=mem.name, n_ctx=p.n_ctx, n_ctx_seq=p.n_ctx_seq, kv_size=mem.size, n_stream=mem.n_stream,
+            n_seq_max=p.n_seq_max, n_layer=self.model.config.n_layer, type_k=p.type_k, type_v=p.type_v,
+            v_trans=p.v_trans, k_bytes=mem.k_bytes(), v_bytes=mem.v_bytes(), n_batch=p.n_batch,
+            n_ubatch=p.n_ubatch, pad=p.pad, unified=p.kv_unified, model_name=self.model.name,
+            log_lines=tuple(self.init_log_lines)))
+
+    def publish_state(self) -> None:
+        """Publish ContextCreated and a full MemorySnapshot, for a watcher that joins late."""
+        self._publish_created()
+        self.memory.publish_snapshot()
+
+    # ---- decode -----------------------------------------------------------------------------
+    def decode(self, batch: Batch) -> int:
+        """Decode a batch. Returns 0, 1 (no KV slot), 2 (aborted), -1 (invalid batch) or -3 (failure)."""
+        t0 = time.perf_counter()
+        n = len(batch.tokens)
+        if n > self.params.n_batch:
+            raise BatchTooLargeError(
+                f"decode: the batch has {n} tokens but n_batch = {self.params.n_batch}; split it or create the "
+                f"context with a larger n_batch")
+        self._logits = None
+        try:
+            alloc = BatchAllocator(batch, n_vocab=self.model.n_vocab, n_seq_max=self.params.n_seq_max,
+                                   memory=self.memory)
+        except InvalidBatchError as e:
+            return self._fail(-1, f"{e}\ndecode: failed to initialize batch", n, t0)
+        if self.bus.active:
+            self.bus.publish(ev.DecodeStarted(n, alloc.n_outputs, alloc.seq_id_unq))
+        self.memory.update()
+        ubatches = self._split(alloc)
+        slots = self.memory.prepare(ubatches) if ubatches is not None else None
+        if slots is None:
+            return self._fail(1, f"decode: failed to find a memory slot for batch of size {n}", n, t0)
+        return self._run_ubatches(alloc, ubatches, slots, t0)
+
+    def _split(self, alloc: BatchAllocator) -> list[UBatch] | None:
+        """Simple split for one stream, sequential equal split for several (llama.cpp's choice)."""
+        ubatches = []
+        while not alloc.all_used():
+            if self.memory.n_stream == 1:
+                ub = alloc.split_simple(self.params.n_ubatch)
+            else:
+                ub = alloc.split_equal(self.params.n_ubatch, sequential=True)
+            if ub is None:
+                log.error("decode: the batch could not be split into ubatches (coupled sequences need -kvu)")
+                return None
+            ubatches.append(ub)
+        return ubatches
+
+    def _run_ubatches(self, alloc: BatchAllocator, ubatches, slots, t0: float) -> int:
+        transformer = self.model.transformer
+        out_idx, out_logits, ms = [], [], []
+        for k, (ub, sinfo) in enumerate(zip(ubatches, slots)):
+            tu = time.perf_counter()
+            self.memory.apply_ubatch(sinfo, ub, ubatch_index=k)
+            attn = self.memory.attention_inputs(sinfo, ub)
+            rows = np.flatnonzero(ub.output)
+            try:
+                logits = transformer.forward(torch.from_numpy(ub.tokens), torch.from_numpy(ub.pos), attn,
+                                             torch.from_numpy(rows), self.abort_callback)
+            except DecodeAborted:
+                self._remove_failed_ubatch(ub)
+                return self._fail(2, "decode: aborted by the abort callback", alloc.n_tokens, t0, ubatches)
+            except RuntimeError as e:
+                self._remove_failed_ubatch(ub)
+                return self._fail(-3, f"decode: compute failed: {e}", alloc.n_tokens, t0, ubatches)
+            out_idx.append(ub.idxs[rows])
+            out_logits.append(logits)
+            ms.append((time.perf_counter() - tu) * 1e3)
+        idx = np.concatenate(out_idx)
+        order = np.argsort(idx, kind="stable")
+        self._output_batch_idx = idx[order]
+        self._logits = torch.cat(out_logits)[torch.from_numpy(order)]
+        self._account(alloc.n_tokens, t0, ms)
+        if self.bus.active:
+            self.bus.publish(ev.DecodeFinished(0, alloc.n_tokens, tuple(u.n_tokens for u in ubatches),
+                                               (time.perf_counter() - t0) * 1e3, tuple(ms)))
+        return 0
+
+    def _remove_failed_ubatch(self, ub: UBatch) -> None:
+        """llama.cpp's cleanup: each sequence of the failed ubatch loses its cells from the ubatch's
+        smallest position of that sequence on."""
+        p_min: dict[int, int] = {}
+        for ids, pos in zip(ub.seq_ids, ub.pos):
+            for s in ids:
+                p_min[s] = min(p_min.get(s, int(pos)), int(pos))
+        for s, p in sorted(p_min.items()):
+            log.warning("decode: removing memory module entries for seq_id = %d, pos = [%d, +inf)", s, p)
+            self.memory.seq_rm(s, p, -1, reason="failure_cleanup")
+
+    def _fail(self, rc: int, message: str, n_tokens: int, t0: float, ubatches=None) -> int:
+        self.last_error = message
+        (log.error if rc < 0 else log.warning)("%s", message)
+        if rc != 1:
+            log.error("llama_decode: failed to decode, ret = %d", rc)
+        if self.bus.active:
+            sizes = tuple(u.n_tokens for u in ubatches) if ubatches else ()
+            self.bus.publish(ev.DecodeFinished(rc, n_tokens, sizes, (time.perf_counter() - t0) * 1e3,
+                                               message=message))
+        return rc
+
+    def _account(self, n_tokens: int, t0: float, ubatch_ms: list[float]) -> None:
+        dt = (time.perf_counter() - t0) * 1e3
+        perf = self.perf
+        perf.n_decode += 1
+        if n_tokens > 1:
+            perf.t_p_eval_ms += dt
+            perf.n_p_eval += n_tokens
+        else:
+            perf.t_eval_ms += dt
+            perf.n_eval += 1
+        perf.ubatch_ms = ubatch_ms
+
+    # ---- outputs -------------------------------------------------------------------------------
+    @property
+    def n_outputs(self) -> int:
+        return 0 if self._logits is None else self._logits.shape[0]
+
+    def logits(self, i: int = -1) -> torch.Tensor:
+        """Logits row of the i-th output token of the last decode (batch order; negative from the end)."""
+        if self._logits is None:
+            raise IndexError("no logits: the last decode failed or produced no outputs")
+        n = self._logits.shape[0]
+        if not -n <= i < n:
+            raise IndexError(f"output {i} out of range: the last decode produced {n} output(s)")
+        return self._logits[i]
+
+    def logits_for_token(self, batch_index: int) -> torch.Tensor:
+        """Logits of the batch token at batch_index (llama_get_logits_ith); it must have been an output."""
+        if self._logits is None:
+            raise IndexError("no logits: the last decode failed or produced no outputs")
+        hits = np.flatnonzero(self._output_batch_idx == batch_index)
+        if not hits.size:
+            raise IndexError(f"batch token {batch_index} was not marked as an output (logits=True)")
+        return self._logits[int(hits[0])]
+
+    def all_logits(self) -> torch.Tensor:
+        if self._logits is None:
+            raise IndexError("no logits: the last decode failed or produced no outputs")
+        return self._logits

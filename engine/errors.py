@@ -1,0 +1,30 @@
+"""Errors that kvscope raises on bad input. Each names what is wrong and, where possible, the fix."""
+from __future__ import annotations
+
+
+class KvscopeError(Exception):
+    """Base class of every error kvscope raises on purpose."""
+
+
+class ModelFileError(KvscopeError):
+    """A model file or folder is missing, corrupt, truncated or inconsistent."""
+
+
+class UnsupportedArchitectureError(ModelFileError):
+    """The model's architecture is not one kvscope implements."""
+
+
+class InvalidBatchError(KvscopeError):
+    """A batch failed validation; decode() reports it as return code -1."""
+
+
+class MemoryOperationError(KvscopeError):
+    """A cache operation that llama.cpp would abort on; the cache is left unchanged."""
+
+
+class ContextParamsError(KvscopeError):
+    """Context settings that cannot work (bad sizes, types or combinations)."""
+
+
+class BatchTooLargeError(KvscopeError):
+    """A batch has more tokens than the context's n_batch (llama.cpp aborts; kvscope refuses)."""

@@ -1,0 +1,333 @@
+"""Typed event records and the bus that carries them from the engine to its watchers.
+
+The engine publishes one event per operation (a ubatch placed, a sequence removed, a K-shift run),
+carrying numpy arrays for the cells it touched. Each cell change event gives the complete new
+metadata of every touched cell plus the stream's head afterwards, so a watcher can rebuild the cache
+exactly from the events alone (see engine/mirror.py) without knowing the rules that produced them.
+
+Watchers subscribe through bounded queues: a slow watcher loses events (counted, and announced to
+it by an EventsDropped record) but never blocks or breaks generation.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+
+def _frozen_array(values, dtype=np.int64) -> np.ndarray:
+    arr = np.array(values, dtype=dtype, copy=True)
+    arr.flags.writeable = False
+    return arr
+
+
+def pack_seq_bits(seq_matrix: np.ndarray) -> np.ndarray:
+    """(MAX_SEQ, n) bool -> (n, MAX_SEQ // 8) uint8, one bitset row per cell."""
+    return _frozen_array(np.packbits(seq_matrix.T, axis=1, bitorder="little"), np.uint8)
+
+
+def unpack_seq_bits(bits: np.ndarray) -> np.ndarray:
+    """(n, MAX_SEQ // 8) uint8 -> (MAX_SEQ, n) bool."""
+    return np.unpackbits(bits, axis=1, bitorder="little").astype(bool).T
+
+
+@dataclass(frozen=True, eq=False)
+class Event:
+    """Base record. `seq_no` and `time` are stamped by the bus when the event is published."""
+
+    version: ClassVar[int] = SCHEMA_VERSION
+    seq_no: int = field(default=-1, kw_only=True)
+    time: float = field(default=0.0, kw_only=True)
+
+    @property
+    def kind(self) -> str:
+        return type(self).__name__
+
+
+@dataclass(frozen=True, eq=False)
+class StreamCells:
+    """The new metadata of some cells of one stream, and the stream's head after the change."""
+
+    stream: int
+    cells: np.ndarray  # cell indices
+    pos: np.ndarray  # new position per cell (-1 = empty)
+    shift: np.ndarray  # new pending shift per cell
+    seq_bits: np.ndarray  # (n, 32) uint8 bitsets of sequence ids
+    head: int
+
+    def seq_sets(self) -> list[frozenset[int]]:
+        matrix = unpack_seq_bits(self.seq_bits)
+        return [frozenset(int(s) for s in np.flatnonzero(matrix[:, j])) for j in range(matrix.shape[1])]
+
+
+@dataclass(frozen=True, eq=False)
+class CellsChanged(Event):
+    """Base of every event that changes cell metadata. `cache` names the cache ("kv", later
+    "base"/"swa" of an iSWA pair); `tentative` marks dry-run changes that a later event confirms
+    or rolls back."""
+
+    cache: str
+    changes: tuple[StreamCells, ...]
+    tentative: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class CellsAllocated(CellsChanged):
+    """A ubatch's tokens were placed in cells (apply_ubatch)."""
+
+    ubatch: int = 0
+    n_tokens: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class CellsRemoved(CellsChanged):
+    """Sequences were removed from cells. reason: seq_rm, seq_keep, clear, purge, failure_cleanup."""
+
+    reason: str = "seq_rm"
+    seq_id: int = -1
+    p0: int = -1
+    p1: int = -1
+    n_freed: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class CellsCopied(CellsChanged):
+    """seq_cp. Same stream: metadata only (`queued` False). Across streams: the destination stream
+    was reset to the source's metadata and a copy of its K/V rows is queued for the next update."""
+
+    src_seq: int = 0
+    dst_seq: int = 0
+    queued: bool = False
+    src_stream: int = 0
+    dst_stream: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class CellsShifted(CellsChanged):
+    """seq_add (op "add", amount = delta) or seq_div (op "div", amount = divisor)."""
+
+    op: str = "add"
+    seq_id: int = 0
+    p0: int = 0
+    p1: int = 0
+    amount: int = 0
+    old_pos: tuple[np.ndarray, ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
+class SlotsRolledBack(CellsChanged):
+    """The dry run of a decode restored the cells and heads it had tentatively changed."""
+
+
+@dataclass(frozen=True, eq=False)
+class StreamCopyExecuted(Event):
+    """A queued cross-stream copy of K/V rows ran at the start of a decode."""
+
+    cache: str
+    src_stream: int
+    dst_stream: int
+    n_layers: int
+
+
+@dataclass(frozen=True, eq=False)
+class KShiftApplied(CellsChanged):
+    """Stored keys were re-rotated by each cell's pending shift; shifts are now 0 everywhere.
+    `changes` lists the shifted cells with shift 0; `amounts` gives the shift applied per cell."""
+
+    amounts: tuple[np.ndarray, ...] = ()
+    n_layers: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class MemorySnapshot(CellsChanged):
+    """The full state of every stream, published on request (e.g. to resync a watcher)."""
+
+
+@dataclass(frozen=True, eq=False)
+class ContextCreated(Event):
+    """A context and its cache exist. Sizes as in llama.cpp's init lines."""
+
+    cache: str
+    n_ctx: int
+    n_ctx_seq: int
+    kv_size: int
+    n_stream: int
+    n_seq_max: int
+    n_layer: int
+    type_k: str
+    type_v: str
+    v_trans: bool
+    k_bytes: int
+    v_bytes: int
+    n_batch: int
+    n_ubatch: int
+    pad: int
+    unified: bool
+    model_name: str
+    log_lines: tuple[str, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class DecodeStarted(Event):
+    n_tokens: int
+    n_outputs: int
+    seq_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class DecodeFinished(Event):
+    """rc as llama_decode returns it; ubatch_sizes as split; ms_* wall times."""
+
+    rc: int
+    n_tokens: int
+    ubatch_sizes: tuple[int, ...]
+    ms_total: float
+    ms_per_ubatch: tuple[float, ...] = ()
+    message: str = ""
+
+
+@dataclass(frozen=True, eq=False)
+class SlotSearchFailed(Event):
+    cache: str
+    stream: int
+    n_tokens: int
+    size: int
+    used: int
+    head: int
+
+
+@dataclass(frozen=True, eq=False)
+class TokenSampled(Event):
+    seq_id: int
+    token: int
+    piece: str
+    pos: int
+
+
+@dataclass(frozen=True, eq=False)
+class EventsDropped(Event):
+    """Delivered to one subscriber only: it missed `count` events because its queue was full."""
+
+    count: int
+    first_seq_no: int
+    last_seq_no: int
+
+
+class Subscription:
+    """A bounded queue of events for one watcher. Never blocks the publisher."""
+
+    def __init__(self, bus: "EventBus", maxsize: int, kinds: tuple[type, ...] | None) -> None:
+        assert maxsize > 0, "a subscription needs room for at least one event"
+        self._bus = bus
+        self._queue: collections.deque[Event] = collections.deque()
+        self._maxsize = maxsize
+        self._kinds = kinds
+        self._cond = threading.Condition()
+        self._missed = 0
+        self._missed_first = -1
+        self._missed_last = -1
+        self.dropped = 0  # total events this watcher never received
+        self.closed = False
+
+    def _offer(self, event: Event) -> None:
+        if self._kinds is not None and not isinstance(event, self._kinds):
+            return
+        with self._cond:
+            if len(self._queue) >= self._maxsize:
+                self.dropped += 1
+                self._missed += 1
+                if self._missed_first < 0:
+                    self._missed_first = event.seq_no
+                self._missed_last = event.seq_no
+                return
+            if self._missed:
+                if len(self._queue) + 1 >= self._maxsize:
+                    # No room for the notice and the event: the event is missed too.
+                    self.dropped += 1
+                    self._missed += 1
+                    self._missed_last = event.seq_no
+                    return
+                notice = EventsDropped(self._missed, self._missed_first, self._missed_last)
+                object.__setattr__(notice, "seq_no", event.seq_no)
+                object.__setattr__(notice, "time", event.time)
+                self._queue.append(notice)
+                self._missed, self._missed_first, self._missed_last = 0, -1, -1
+            self._queue.append(event)
+            self._cond.notify()
+
+    def get(self, timeout: float | None = None) -> Event | None:
+        """Next event, waiting up to `timeout` seconds (None: forever); None on timeout/close."""
+        with self._cond:
+            if not self._queue and not self.closed:
+                self._cond.wait(timeout)
+            return self._queue.popleft() if self._queue else None
+
+    def drain(self) -> list[Event]:
+        """All queued events, without waiting."""
+        with self._cond:
+            out = list(self._queue)
+            self._queue.clear()
+            return out
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
+    def close(self) -> None:
+        self._bus._remove(self)
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+
+class EventBus:
+    """Publishes events to subscriptions. Thread-safe; publishing costs O(subscribers)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._subs: tuple[Subscription, ...] = ()
+        self._next_seq_no = 0
+
+    @property
+    def active(self) -> bool:
+        """True when someone listens; the engine skips building events otherwise."""
+        return bool(self._subs)
+
+    def subscribe(self, maxsize: int = 65536, kinds: tuple[type, ...] | None = None) -> Subscription:
+        sub = Subscription(self, maxsize, kinds)
+        with self._lock:
+            self._subs = self._subs + (sub,)
+        return sub
+
+    def subscribe_callback(self, callback: Callable[[Event], None], maxsize: int = 65536,
+                           kinds: tuple[type, ...] | None = None) -> Subscription:
+        """Call `callback` for every event on a daemon thread of its own."""
+        sub = self.subscribe(maxsize, kinds)
+
+        def pump() -> None:
+            while not sub.closed:
+                event = sub.get(timeout=0.2)
+                if event is not None:
+                    callback(event)
+
+        threading.Thread(target=pump, name="kvscope-event-pump", daemon=True).start()
+        return sub
+
+    def _remove(self, sub: Subscription) -> None:
+        with self._lock:
+            self._subs = tuple(s for s in self._subs if s is not sub)
+
+    def publish(self, event: Event) -> None:
+        with self._lock:
+            object.__setattr__(event, "seq_no", self._next_seq_no)
+            object.__setattr__(event, "time", time.monotonic())
+            self._next_seq_no += 1
+            # Offering under the bus lock keeps every queue in seq_no order; _offer never blocks.
+            for sub in self._subs:
+                sub._offer(event)

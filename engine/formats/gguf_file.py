@@ -1,0 +1,369 @@
+"""Reading GGUF files (llama.cpp's model format) into Hugging Face names and layouts.
+
+A GGUF holds metadata (hyper-parameters, the tokenizer) and tensors named the llama.cpp way
+(`blk.0.attn_q.weight`), possibly quantized. `read_gguf` returns float32 torch tensors renamed to
+the Hugging Face names the rest of kvscope uses, with llama.cpp's Q/K row permutation undone, and
+a `ModelConfig` built from the metadata. Every failure is a `ModelFileError` naming the file.
+
+Example:
+    contents = read_gguf("tiny.gguf")
+    contents.tensors["model.layers.0.self_attn.q_proj.weight"].shape  # (n_head*head_dim, n_embd)
+"""
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.errors import ModelFileError, UnsupportedArchitectureError
+from engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+
+logger = logging.getLogger(__name__)
+
+GGUF_MAGIC = b"GGUF"
+
+# Storage types kvscope dequantizes; others (IQ*, Q2_K, ...) are refused with a clear message.
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
+
+# Per-layer tensors: llama.cpp suffix -> Hugging Face suffix.
+_LAYER_TENSOR_NAMES = {
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_TENSOR_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAME_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
+
+
+@dataclass(frozen=True)
+class GGUFContents:
+    """What a GGUF file holds, in kvscope's terms.
+
+    `tensors` use Hugging Face names and layouts (float32); `tensor_types` gives each one's
+    storage type in the file ("Q8_0", "F16", ...); `metadata` is every key/value of the header.
+    """
+
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]
+    tensor_types: dict[str, str]
+    metadata: dict[str, Any]
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor name, or None if kvscope has no use for it."""
+    if gguf_name in _GLOBAL_TENSOR_NAMES:
+        return _GLOBAL_TENSOR_NAMES[gguf_name]
+    match = _LAYER_NAME_RE.match(gguf_name)
+    if match is None:
+        return None
+    layer, suffix = match.groups()
+    hf_suffix = _LAYER_TENSOR_NAMES.get(suffix)
+    return None if hf_suffix is None else f"model.layers.{layer}.{hf_suffix}"
+
+
+def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo convert_hf_to_gguf's per-head row interleave of a llama Q or K weight (or bias).
+
+    The converter turns HF rows i and i + d/2 of each head into rows 2i and 2i + 1 (llama.cpp's
+    RoPE rotates adjacent pairs, HF's rotates halves). This puts the halves back.
+    """
+    rows = weight.shape[0]
+    assert rows % (2 * n_head) == 0, f"{rows} rows do not split into {n_head} heads of even size"
+    half = rows // n_head // 2
+    w = weight.reshape(n_head, half, 2, *weight.shape[1:])  # (H, d/2, 2, ...)
+    return w.transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+def permute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """What convert_hf_to_gguf does to a llama Q or K weight; the inverse of `unpermute_qk`."""
+    rows = weight.shape[0]
+    assert rows % (2 * n_head) == 0, f"{rows} rows do not split into {n_head} heads of even size"
+    half = rows // n_head // 2
+    w = weight.reshape(n_head, 2, half, *weight.shape[1:])  # (H, 2, d/2, ...)
+    return w.transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# Opening the file
+
+
+def open_gguf(path: str | Path) -> Any:
+    """A `gguf.GGUFReader` on `path`, with every way a file can be bad turned into ModelFileError."""
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise ModelFileError(f"{path}: no such GGUF file")
+    file_size = path.stat().st_size
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelFileError(
+            f"{path}: not a GGUF file (the first 4 bytes are {magic!r}, a GGUF starts with {GGUF_MAGIC!r})"
+        )
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as exc:  # GGUFReader raises ValueError, IndexError, KeyError, ... on bad bytes
+        raise ModelFileError(
+            f"{path}: corrupt or truncated GGUF ({file_size} bytes); the header could not be parsed: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    _check_tensor_extents(reader, path, file_size)
+    return reader
+
+
+def _check_tensor_extents(reader: Any, path: Path, file_size: int) -> None:
+    """Raise if a tensor's data runs past the end of the file (a cut download reads as garbage)."""
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > file_size or t.data.nbytes != int(t.n_bytes):
+            raise ModelFileError(
+                f"{path}: truncated GGUF: tensor {t.name!r} needs bytes [{t.data_offset}, {end}) "
+                f"but the file has {file_size} bytes; download or convert it again"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata
+
+
+def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """Every header key of the GGUF at `path` as plain Python values (str, int, float, bool, list)."""
+    return metadata_from_reader(open_gguf(path), path)
+
+
+def metadata_from_reader(reader: Any, path: str | Path) -> dict[str, Any]:
+    """The header key/values of an open reader; the reader's own `GGUF.*` entries are left out."""
+    metadata: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            metadata[key] = field.contents()
+        except Exception as exc:  # bad UTF-8, unknown value types
+            raise ModelFileError(f"{path}: metadata key {key!r} cannot be read: {exc}") from exc
+    return metadata
+
+
+def _arch_of(metadata: dict[str, Any], path: str | Path) -> str:
+    arch = metadata.get("general.architecture")
+    if not isinstance(arch, str):
+        raise ModelFileError(f"{path}: GGUF has no general.architecture key; is it a model file?")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"{path}: architecture {arch!r} is not supported; kvscope runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def _float(value: Any) -> float:
+    """A GGUF float32 as the shortest decimal that rounds to it (1e-05, not 9.99999974e-06), so a
+    GGUF and the config.json it came from give equal configs."""
+    return float(str(np.float32(value)))
+
+
+def _require(metadata: dict[str, Any], key: str, path: str | Path) -> Any:
+    if key not in metadata:
+        raise ModelFileError(f"{path}: GGUF metadata key {key!r} is missing")
+    return metadata[key]
+
+
+def _rope_scaling_from_metadata(metadata: dict[str, Any], arch: str, path: str | Path) -> RopeScaling | None:
+    """Rope scaling from `{arch}.rope.scaling.*` keys (llama3 GGUFs use a rope_freqs tensor instead)."""
+    kind = metadata.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    factor = _float(metadata.get(f"{arch}.rope.scaling.factor", 1.0))
+    if kind == "linear" and factor == 1.0:
+        return None  # some converters write a no-op linear scaling
+    if kind != "llama3":
+        raise ModelFileError(
+            f"{path}: rope scaling type {kind!r} (factor {factor}) is not supported; "
+            "kvscope implements unscaled RoPE and llama3-style scaling"
+        )
+    return RopeScaling(
+        factor=factor,
+        low_freq_factor=_float(metadata.get(f"{arch}.rope.scaling.low_freq_factor", 1.0)),
+        high_freq_factor=_float(metadata.get(f"{arch}.rope.scaling.high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            _require(metadata, f"{arch}.rope.scaling.original_context_length", path)
+        ),
+    )
+
+
+def _eos_ids_from_metadata(metadata: dict[str, Any]) -> tuple[int, ...]:
+    """eos first, then end-of-turn / end-of-message ids, each once (llama.cpp's EOG set)."""
+    ids: list[int] = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        value = metadata.get(key)
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    return tuple(ids)
+
+
+def config_from_gguf_metadata(
+    metadata: dict[str, Any],
+    *,
+    path: str | Path,
+    embedding_rows: int | None = None,
+    has_output: bool = True,
+    has_attention_bias: bool = False,
+    rope_freqs: torch.Tensor | None = None,
+) -> ModelConfig:
+    """Build a ModelConfig from GGUF header keys.
+
+    Args:
+        metadata: the header, as `read_gguf_metadata` returns it.
+        path: the file, named in errors.
+        embedding_rows: rows of token_embd, used for n_vocab when the header has no vocabulary.
+        has_output: False when the file has no output.weight (tied embeddings).
+        has_attention_bias: True when the file has attn_q.bias tensors.
+        rope_freqs: llama3-style per-dim-pair frequency divisors, kept in `extra["rope_freqs"]`.
+    """
+    arch = _arch_of(metadata, path)
+    n_embd = int(_require(metadata, f"{arch}.embedding_length", path))
+    n_head = int(_require(metadata, f"{arch}.attention.head_count", path))
+    n_head_kv = int(metadata.get(f"{arch}.attention.head_count_kv", n_head))
+    head_dim = int(metadata.get(f"{arch}.attention.key_length", n_embd // n_head))
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if tokens:
+        n_vocab = len(tokens)
+    elif embedding_rows is not None:
+        n_vocab = embedding_rows
+    else:
+        raise ModelFileError(f"{path}: cannot tell the vocabulary size (no tokenizer.ggml.tokens, no token_embd)")
+    bos = metadata.get("tokenizer.ggml.bos_token_id")
+    default_add_bos = metadata.get("tokenizer.ggml.model") == "llama"  # llama.cpp: SPM adds BOS unless told
+    extra: dict[str, Any] = {}
+    if rope_freqs is not None:
+        extra["rope_freqs"] = rope_freqs
+    try:
+        return ModelConfig(
+            arch=arch,
+            n_vocab=n_vocab,
+            n_embd=n_embd,
+            n_layer=int(_require(metadata, f"{arch}.block_count", path)),
+            n_head=n_head,
+            n_head_kv=n_head_kv,
+            head_dim=head_dim,
+            n_ff=int(_require(metadata, f"{arch}.feed_forward_length", path)),
+            rms_norm_eps=_float(_require(metadata, f"{arch}.attention.layer_norm_rms_epsilon", path)),
+            rope_theta=_float(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
+            n_ctx_train=int(_require(metadata, f"{arch}.context_length", path)),
+            tie_word_embeddings=not has_output,
+            attention_bias=has_attention_bias,
+            rope_scaling=_rope_scaling_from_metadata(metadata, arch, path),
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=_eos_ids_from_metadata(metadata),
+            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", default_add_bos)),
+            name=str(metadata.get("general.name", "")),
+            extra=extra,
+        )
+    except ValueError as exc:  # ModelConfig's own checks (e.g. n_head not a multiple of n_head_kv)
+        raise ModelFileError(f"{path}: inconsistent hyper-parameters: {exc}") from exc
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors
+
+
+def dequantize_tensor(reader_tensor: Any, path: str | Path) -> torch.Tensor:
+    """A float32 torch copy of one GGUF tensor, in numpy/torch dimension order."""
+    import gguf
+
+    type_name = reader_tensor.tensor_type.name
+    if type_name not in SUPPORTED_TENSOR_TYPES:
+        raise ModelFileError(
+            f"{path}: tensor {reader_tensor.name!r} is stored as {type_name}, which kvscope cannot "
+            f"dequantize; supported: {', '.join(SUPPORTED_TENSOR_TYPES)}. Requantize the model with "
+            "llama-quantize (e.g. to Q8_0)"
+        )
+    shape = tuple(int(d) for d in reversed(reader_tensor.shape.tolist()))  # GGUF order is reversed
+    try:
+        values = gguf.quants.dequantize(reader_tensor.data, reader_tensor.tensor_type)
+        values = np.asarray(values, dtype=np.float32).reshape(shape)
+    except Exception as exc:
+        raise ModelFileError(
+            f"{path}: tensor {reader_tensor.name!r} ({type_name}, shape {list(shape)}) cannot be decoded: {exc}"
+        ) from exc
+    # copy: the reader's arrays are views of a read-only memory map of the file
+    return torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
+
+
+def _undo_permutation(tensors: dict[str, torch.Tensor], config: ModelConfig) -> None:
+    """llama.cpp permutes Q/K rows (weights and biases) of llama models only; qwen2 is stored as is."""
+    if config.arch != "llama":
+        return
+    for name in list(tensors):
+        if ".self_attn.q_proj." in name:
+            n_head = config.n_head
+        elif ".self_attn.k_proj." in name:
+            n_head = config.n_head_kv
+        else:
+            continue
+        # a tensor of the wrong size is left alone here; the shape check in load.py names it
+        if tensors[name].shape[0] == n_head * config.head_dim and config.head_dim % 2 == 0:
+            tensors[name] = unpermute_qk(tensors[name], n_head)
+
+
+def read_gguf(path: str | Path) -> GGUFContents:
+    """Read a GGUF model: config, float32 tensors under Hugging Face names, storage types, metadata.
+
+    Args:
+        path: a `.gguf` file.
+
+    Returns:
+        GGUFContents; tensors llama.cpp keeps but kvscope does not use are skipped (logged).
+
+    Raises:
+        ModelFileError: the file is missing, not GGUF, truncated, or holds a type kvscope cannot decode.
+        UnsupportedArchitectureError: general.architecture is not one of SUPPORTED_ARCHITECTURES.
+    """
+    path = Path(path)
+    reader = open_gguf(path)
+    metadata = metadata_from_reader(reader, path)
+    _arch_of(metadata, path)  # fail on the architecture before decoding any tensor
+    tensors: dict[str, torch.Tensor] = {}
+    tensor_types: dict[str, str] = {}
+    rope_freqs: torch.Tensor | None = None
+    for rt in reader.tensors:
+        if rt.name == ROPE_FREQS_TENSOR:
+            rope_freqs = dequantize_tensor(rt, path)
+            continue
+        hf_name = hf_tensor_name(rt.name)
+        if hf_name is None:
+            logger.warning("%s: skipping tensor %r, which kvscope does not use", path, rt.name)
+            continue
+        tensors[hf_name] = dequantize_tensor(rt, path)
+        tensor_types[hf_name] = rt.tensor_type.name
+    embed = tensors.get("model.embed_tokens.weight")
+    config = config_from_gguf_metadata(
+        metadata,
+        path=path,
+        embedding_rows=None if embed is None else int(embed.shape[0]),
+        has_output="lm_head.weight" in tensors,
+        has_attention_bias="model.layers.0.self_attn.q_proj.bias" in tensors,
+        rope_freqs=rope_freqs,
+    )
+    _undo_permutation(tensors, config)
+    return GGUFContents(config=config, tensors=tensors, tensor_types=tensor_types, metadata=metadata)

@@ -1,0 +1,182 @@
+"""Text generation on a Context: tokenize, decode, sample, detokenize; one sequence or many at once.
+
+The generator only uses the public Context API (decode, logits, memory ops), so what it does to the
+cache is exactly what a llama.cpp program doing the same calls would do.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from engine import events as ev
+from engine.batch import Batch
+from engine.context import Context
+from engine.errors import KvscopeError
+from engine.sampling import Sampler, SamplerParams
+
+log = logging.getLogger("kvscope.generate")
+
+TextCallback = Callable[[int, str], None]  # (seq_id, new text)
+
+
+@dataclass
+class SequenceResult:
+    seq_id: int
+    prompt_tokens: list[int]
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    stop_reason: str = ""  # "eog", "length" or "context_full"
+
+
+@dataclass
+class _Running:
+    result: SequenceResult
+    next_pos: int
+    decoder: object
+    last_token: int = -1
+
+
+class Generator:
+    """Generates text for one or several sequences of a context, one decode per step for all of them."""
+
+    def __init__(self, ctx: Context, params: SamplerParams | None = None) -> None:
+        if ctx.model.tokenizer is None:
+            raise KvscopeError("this model has no tokenizer; generation needs one")
+        self.ctx = ctx
+        self.tokenizer = ctx.model.tokenizer
+        self.sampler = Sampler(params or SamplerParams())
+        self.t_sample_ms = 0.0
+        self.n_sample = 0
+
+    def generate(self, prompt: str | Sequence[int], n_predict: int = 64, *, seq_id: int = 0,
+                 on_text: TextCallback | None = None) -> SequenceResult:
+        """Generate for one sequence (its cells are cleared first)."""
+        return self.generate_parallel([prompt], n_predict, seq_ids=[seq_id], on_text=on_text)[0]
+
+    def stream(self, prompt: str | Sequence[int], n_predict: int = 64, *, seq_id: int = 0) -> Iterator[str]:
+        """Yield text pieces as they are generated (runs the whole generation eagerly per step)."""
+        pieces: list[str] = []
+        result_holder: list[SequenceResult] = []
+
+        def collect(_: int, text: str) -> None:
+            pieces.append(text)
+
+        for _ in self._steps([prompt], n_predict, [seq_id], collect, result_holder):
+            yield from pieces
+            pieces.clear()
+        yield from pieces
+
+    def generate_parallel(self, prompts: Sequence[str | Sequence[int]], n_predict: int = 64, *,
+                          seq_ids: Sequence[int] | None = None,
+                          on_text: TextCallback | None = None) -> list[SequenceResult]:
+        """Generate for several sequences at once: one prompt each, all advanced in every decode."""
+        results: list[SequenceResult] = []
+        for _ in self._steps(prompts, n_predict, seq_ids, on_text, results):
+            pass
+        return results
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def _steps(self, prompts, n_predict, seq_ids, on_text, results_out) -> Iterator[None]:
+        seq_ids = list(range(len(prompts))) if seq_ids is None else list(seq_ids)
+        if len(seq_ids) != len(prompts):
+            raise KvscopeError(f"{len(prompts)} prompts but {len(seq_ids)} seq ids")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise KvscopeError(f"seq ids must be distinct, got {seq_ids}")
+        running = [self._start(prompt, s) for prompt, s in zip(prompts, seq_ids)]
+        results_out.extend(r.result for r in running)
+        first_logits = self._prefill(running)
+        if first_logits is None:
+            return
+        yield
+        active = running
+        self._sample_all(active, torch.stack(first_logits), on_text)
+        for _ in range(n_predict - 1):
+            active = [r for r in active if not self._finished(r, n_predict)]
+            if not active:
+                break
+            batch = Batch([r.last_token for r in active], [r.next_pos for r in active],
+                          [[r.result.seq_id] for r in active], [True] * len(active))
+            rc = self.ctx.decode(batch)
+            if rc != 0:
+                self._stop_all(active, rc)
+                break
+            for r in active:
+                r.next_pos += 1
+            self._sample_all(active, self.ctx.all_logits(), on_text)
+            yield
+        for r in running:
+            self._finished(r, n_predict)
+            tail = r.decoder.flush()
+            if tail:
+                r.result.text += tail
+                if on_text:
+                    on_text(r.result.seq_id, tail)
+
+    def _start(self, prompt, seq_id: int) -> _Running:
+        tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not tokens:
+            raise KvscopeError("the prompt is empty after tokenization")
+        self.ctx.memory.seq_rm(seq_id, -1, -1)
+        self.sampler.reset(seq_id)
+        self.sampler.accept(tokens, seq_id)
+        result = SequenceResult(seq_id, tokens)
+        return _Running(result, 0, self.tokenizer.stream(context_ids=tokens))
+
+    def _prefill(self, running: list[_Running]) -> list[torch.Tensor] | None:
+        """Decode every prompt, in batches of at most n_batch tokens; the last token of each is an
+        output. Returns each sequence's logits, or None when a decode failed."""
+        pending = [(r, i) for r in running for i in range(len(r.result.prompt_tokens))]
+        n_batch = self.ctx.n_batch
+        logits: dict[int, torch.Tensor] = {}
+        for start in range(0, len(pending), n_batch):
+            chunk = pending[start:start + n_batch]
+            batch = Batch([r.result.prompt_tokens[i] for r, i in chunk], [i for _, i in chunk],
+                          [[r.result.seq_id] for r, _ in chunk],
+                          [i == len(r.result.prompt_tokens) - 1 for r, i in chunk])
+            rc = self.ctx.decode(batch)
+            if rc != 0:
+                self._stop_all(running, rc)
+                return None
+            finishing = [r for r, i in chunk if i == len(r.result.prompt_tokens) - 1]
+            for k, r in enumerate(finishing):
+                logits[r.result.seq_id] = self.ctx.logits(k).clone()
+        for r in running:
+            r.next_pos = len(r.result.prompt_tokens)
+        return [logits[r.result.seq_id] for r in running]
+
+    def _sample_all(self, active: list[_Running], logits: torch.Tensor, on_text: TextCallback | None) -> None:
+        t0 = time.perf_counter()
+        tokens = self.sampler.sample_many(logits, seq_ids=[r.result.seq_id for r in active])
+        self.t_sample_ms += (time.perf_counter() - t0) * 1e3
+        self.n_sample += len(active)
+        bus = self.ctx.bus
+        for r, token in zip(active, tokens):
+            r.last_token = token
+            r.result.tokens.append(token)
+            if self.tokenizer.is_eog(token):
+                r.result.stop_reason = "eog"
+                piece = ""
+            else:
+                piece = r.decoder.push(token)
+                r.result.text += piece
+                if piece and on_text:
+                    on_text(r.result.seq_id, piece)
+            if bus.active:
+                bus.publish(ev.TokenSampled(r.result.seq_id, token, piece, r.next_pos))
+
+    @staticmethod
+    def _finished(r: _Running, n_predict: int) -> bool:
+        if not r.result.stop_reason and len(r.result.tokens) >= n_predict:
+            r.result.stop_reason = "length"
+        return bool(r.result.stop_reason)
+
+    def _stop_all(self, running: list[_Running], rc: int) -> None:
+        reason = "context_full" if rc == 1 else f"decode_failed({rc})"
+        log.warning("generation stopped: decode returned %d (%s)", rc, self.ctx.last_error)
+        for r in running:
+            if not r.result.stop_reason:
+                r.result.stop_reason = reason

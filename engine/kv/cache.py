@@ -1,0 +1,527 @@
+"""The KV cache: preallocated K/V tensors plus per-stream cell metadata (llama.cpp's llama_kv_cache).
+
+Plan, then commit: `find_slot` chooses cells without changing anything, `apply_ubatch` writes the
+metadata. `prepare` dry-runs a whole batch and rolls back, so a decode is all-or-nothing at the slot
+level. Sequence operations follow llama.cpp's public llama_memory_* calls, including their head
+updates and QUIRKs. Every metadata change is published on the event bus.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from engine import events as ev
+from engine.batch import UBatch
+from engine.errors import MemoryOperationError
+from engine.kv.cells import MAX_SEQ, KVCells
+from engine.kv.swa import SwaType, is_masked_swa
+from engine.kv.types import CacheType
+
+log = logging.getLogger("kvscope.kv")
+
+CPU_BUFFER_ALIGNMENT = 32
+POS_INF = np.iinfo(np.int64).max
+
+# (k [N, n_head_kv, head_dim] float32, delta [N] int64) -> keys re-rotated by delta positions
+KeyShifter = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, eq=False)
+class SlotInfo:
+    """Where a ubatch goes: for each token group, its stream and one cell index per token."""
+
+    streams: tuple[int, ...]
+    idxs: tuple[np.ndarray, ...]
+
+    @property
+    def n_per_stream(self) -> int:
+        return len(self.idxs[0])
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Sizes of one cache; all counts as llama.cpp's."""
+
+    layer_ids: tuple[int, ...]  # model layers stored in this cache
+    n_embd_k: int  # K row width of a layer
+    n_embd_v: int  # V row width (n_embd_v_gqa_max when V is transposed)
+    n_head_kv: int
+    head_dim: int
+    kv_size: int  # cells per stream
+    n_stream: int
+    n_seq_max: int
+    type_k: CacheType
+    type_v: CacheType
+    v_trans: bool
+    pad: int = 256
+    n_swa: int = 0
+    swa_type: SwaType = SwaType.NONE
+
+    def k_bytes_per_layer(self) -> int:
+        return self.kv_size * self.n_stream * self.type_k.row_bytes(self.n_embd_k)
+
+    def v_bytes_per_layer(self) -> int:
+        return self.kv_size * self.n_stream * self.type_v.row_bytes(self.n_embd_v)
+
+
+def _aligned(n: int, alignment: int = CPU_BUFFER_ALIGNMENT) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+class KVCache:
+    """One llama.cpp KV cache: `n_stream` streams of `kv_size` cells over a set of model layers."""
+
+    def __init__(self, layout: CacheLayout, *, bus: ev.EventBus, key_shifter: KeyShifter,
+                 name: str = "kv", device: torch.device | str = "cpu") -> None:
+        self.layout = layout
+        self.name = name
+        self.bus = bus
+        self._key_shifter = key_shifter
+        self.size = layout.kv_size
+        self.n_stream = layout.n_stream
+        self.n_seq_max = layout.n_seq_max
+        self.v_cells = [KVCells(layout.kv_size) for _ in range(layout.n_stream)]
+        self.v_heads = [0] * layout.n_stream  # a search hint, not part of the cache state
+        self.pending_copies: list[tuple[int, int]] = []
+        self.layer_index = {il: i for i, il in enumerate(layout.layer_ids)}
+        shape_k = (layout.n_stream, layout.kv_size, layout.n_embd_k)
+        shape_v = ((layout.n_stream, layout.n_embd_v, layout.kv_size) if layout.v_trans
+                   else (layout.n_stream, layout.kv_size, layout.n_embd_v))
+        self.k = [torch.zeros(shape_k, dtype=layout.type_k.torch_dtype, device=device) for _ in layout.layer_ids]
+        self.v = [torch.zeros(shape_v, dtype=layout.type_v.torch_dtype, device=device) for _ in layout.layer_ids]
+
+    # ---- sizes and log lines -------------------------------------------------------------
+    def k_bytes(self) -> int:
+        return self.layout.k_bytes_per_layer() * len(self.layout.layer_ids)
+
+    def v_bytes(self) -> int:
+        return self.layout.v_bytes_per_layer() * len(self.layout.layer_ids)
+
+    def buffer_bytes(self) -> int:
+        """The CPU KV buffer: every tensor rounded up to the backend alignment."""
+        per_layer = _aligned(self.layout.k_bytes_per_layer()) + _aligned(self.layout.v_bytes_per_layer())
+        return per_layer * len(self.layout.layer_ids)
+
+    def init_log_lines(self) -> list[str]:
+        lo = self.layout
+        mib = 1024.0 * 1024.0
+        total = self.k_bytes() + self.v_bytes()
+        return [
+            f"llama_kv_cache: {'CPU':>10s} KV buffer size = {self.buffer_bytes() / mib:8.2f} MiB",
+            (f"llama_kv_cache: size = {total / mib:7.2f} MiB ({lo.kv_size:6d} cells, "
+             f"{len(lo.layer_ids):3d} layers, {lo.n_seq_max:2d}/{lo.n_stream} seqs), "
+             f"K ({lo.type_k.name}): {self.k_bytes() / mib:7.2f} MiB, V ({lo.type_v.name}): {self.v_bytes() / mib:7.2f} MiB"),
+        ]
+
+    # ---- state views ----------------------------------------------------------------------
+    def cells(self, stream: int = 0) -> list[tuple[int, frozenset[int], int]]:
+        """One (pos, seq ids, shift) per cell of a stream; pos -1 when empty."""
+        return self.v_cells[self._check_stream(stream)].cell_tuples()
+
+    def head(self, stream: int = 0) -> int:
+        return self.v_heads[self._check_stream(stream)]
+
+    def used(self, stream: int = 0) -> int:
+        return self.v_cells[self._check_stream(stream)].get_used()
+
+    def can_shift(self) -> bool:
+        return True
+
+    def seq_to_stream(self, seq_id: int) -> int:
+        return 0 if self.n_stream == 1 else seq_id
+
+    def _check_stream(self, stream: int) -> int:
+        if not 0 <= stream < self.n_stream:
+            raise MemoryOperationError(f"stream {stream} does not exist; this cache has {self.n_stream} stream(s)")
+        return stream
+
+    def _check_seq(self, seq_id: int, op: str) -> None:
+        limit = MAX_SEQ if self.n_stream == 1 else self.n_seq_max
+        if not 0 <= seq_id < limit:
+            detail = ("split streams: one stream per sequence" if self.n_stream > 1 else "unified cache")
+            raise MemoryOperationError(f"{op}: invalid seq_id {seq_id}; valid ids are 0..{limit - 1} ({detail})")
+
+    # ---- sequence operations ----------------------------------------------------------------
+    def seq_pos_min(self, seq_id: int) -> int:
+        self._check_seq(seq_id, "seq_pos_min")
+        return self.v_cells[self.seq_to_stream(seq_id)].seq_pos_min(seq_id)
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        self._check_seq(seq_id, "seq_pos_max")
+        return self.v_cells[self.seq_to_stream(seq_id)].seq_pos_max(seq_id)
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1, *, reason: str = "seq_rm",
+               tentative: bool = False) -> bool:
+        """Remove seq_id (all sequences when -1) from the cells with positions in [p0, p1)."""
+        if seq_id != -1:
+            self._check_seq(seq_id, "seq_rm")
+        lo, hi = _range(p0, p1)
+        changes, n_freed = [], 0
+        streams = range(self.n_stream) if seq_id == -1 else [self.seq_to_stream(seq_id)]
+        for s in streams:
+            cells = self.v_cells[s]
+            in_range = (cells.pos >= lo) & (cells.pos < hi)
+            if seq_id == -1:
+                idxs = np.flatnonzero(in_range)
+                cells.rm(idxs)
+                freed = idxs
+            else:
+                idxs = np.flatnonzero(in_range & cells.seq[seq_id])
+                freed = cells.seq_rm(idxs, seq_id)
+            if freed.size and freed[0] < self.v_heads[s]:
+                self.v_heads[s] = int(freed[0])
+            n_freed += freed.size
+            if idxs.size:
+                changes.append(self._stream_cells(s, idxs))
+        if changes:
+            self._publish(ev.CellsRemoved, changes, reason=reason, seq_id=seq_id, p0=p0, p1=p1,
+                          n_freed=n_freed, tentative=tentative)
+        return True
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Make dst share src's cells in [p0, p1). Across streams the whole stream is copied."""
+        self._check_seq(src, "seq_cp")
+        self._check_seq(dst, "seq_cp")
+        s_src, s_dst = self.seq_to_stream(src), self.seq_to_stream(dst)
+        if s_src == s_dst:
+            self._seq_cp_same_stream(s_src, src, dst, p0, p1)
+        else:
+            self._seq_cp_across_streams(s_src, s_dst, src, dst, p0, p1)
+
+    def _seq_cp_same_stream(self, stream: int, src: int, dst: int, p0: int, p1: int) -> None:
+        if src == dst:
+            return
+        cells = self.v_cells[stream]
+        lo, hi = _range(p0, p1)
+        idxs = np.flatnonzero(cells.seq[src] & (cells.pos >= lo) & (cells.pos < hi))
+        if np.any(cells.seq[dst, idxs]):
+            raise MemoryOperationError(
+                f"seq_cp({src}, {dst}): sequence {dst} already shares cells with {src} in that range; "
+                f"remove it first with seq_rm({dst}, ...)")
+        cells.seq_add(idxs, dst)
+        if idxs.size:
+            self._publish(ev.CellsCopied, [self._stream_cells(stream, idxs)], src_seq=src, dst_seq=dst,
+                          src_stream=stream, dst_stream=stream)
+
+    def _seq_cp_across_streams(self, s_src: int, s_dst: int, src: int, dst: int, p0: int, p1: int) -> None:
+        last = self.size - 1
+        if not ((p0 <= 0 or p0 >= last) and (p1 < 0 or p1 >= last or p1 == 0)):
+            raise MemoryOperationError(
+                f"seq_cp({src}, {dst}, {p0}, {p1}): with split streams only a full-range copy is supported "
+                f"(use p0 = -1, p1 = -1); the whole stream {s_src} is copied to stream {s_dst}")
+        src_cells, dst_cells = self.v_cells[s_src], self.v_cells[s_dst]
+        dst_cells.clear()
+        idxs = np.flatnonzero(src_cells.seq[src])
+        dst_cells.pos_set(idxs, src_cells.pos[idxs] - src_cells.shift[idxs])
+        dst_cells.seq_add(idxs, dst)
+        shifted = idxs[src_cells.shift[idxs] != 0]
+        for delta in np.unique(src_cells.shift[shifted]):
+            dst_cells.pos_add(shifted[src_cells.shift[shifted] == delta], int(delta))
+        self.v_heads[s_dst] = self.v_heads[s_src]
+        self.pending_copies.append((s_src, s_dst))
+        self._publish(ev.CellsCopied, [self._stream_cells(s_dst, np.arange(self.size))], src_seq=src,
+                      dst_seq=dst, queued=True, src_stream=s_src, dst_stream=s_dst)
+
+    def seq_keep(self, seq_id: int) -> None:
+        """Keep only seq_id in its stream: its cells hold only it, every other cell is emptied."""
+        self._check_seq(seq_id, "seq_keep")
+        s = self.seq_to_stream(seq_id)
+        cells = self.v_cells[s]
+        idxs = np.flatnonzero(cells.used_mask())
+        freed = cells.seq_keep(idxs, seq_id)
+        if freed.size and freed[0] < self.v_heads[s]:
+            self.v_heads[s] = int(freed[0])
+        if idxs.size:
+            self._publish(ev.CellsRemoved, [self._stream_cells(s, idxs)], reason="seq_keep", seq_id=seq_id,
+                          n_freed=int(freed.size))
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        """Move seq_id's cells in [p0, p1) by delta; the keys follow at the next update (K-shift)."""
+        self._check_seq(seq_id, "seq_add")
+        self._check_shift("seq_add")
+        if delta == 0 or p0 == p1:
+            return
+        s = self.seq_to_stream(seq_id)
+        cells = self.v_cells[s]
+        lo, hi = _range(p0, p1)
+        idxs = np.flatnonzero(cells.seq[seq_id] & (cells.pos >= lo) & (cells.pos < hi))
+        old = cells.pos[idxs].copy()
+        freed = cells.pos_add(idxs, delta)
+        # llama.cpp: the head goes to the first freed cell, else to 0, even if nothing moved.
+        self.v_heads[s] = int(freed[0]) if freed.size else 0
+        self._publish(ev.CellsShifted, [self._stream_cells(s, idxs)], op="add", seq_id=seq_id, p0=p0, p1=p1,
+                      amount=delta, old_pos=(ev._frozen_array(old),))
+
+    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+        """Divide the positions of seq_id's cells in [p0, p1) by d (QUIRK: shift sign, see cells.py)."""
+        self._check_seq(seq_id, "seq_div")
+        self._check_shift("seq_div")
+        if d < 1:
+            raise MemoryOperationError(f"seq_div: divisor {d} must be >= 1")
+        if d == 1 or p0 == p1:
+            return
+        s = self.seq_to_stream(seq_id)
+        cells = self.v_cells[s]
+        lo, hi = _range(p0, p1)
+        idxs = np.flatnonzero(cells.seq[seq_id] & (cells.pos >= lo) & (cells.pos < hi))
+        old = cells.pos[idxs].copy()
+        cells.pos_div(idxs, d)
+        self._publish(ev.CellsShifted, [self._stream_cells(s, idxs)], op="div", seq_id=seq_id, p0=p0, p1=p1,
+                      amount=d, old_pos=(ev._frozen_array(old),))
+
+    def _check_shift(self, op: str) -> None:
+        if not self.can_shift():
+            raise MemoryOperationError(f"{op}: this cache does not support K-shift (llama.cpp would abort at "
+                                       f"the next decode)")
+
+    def clear(self, data: bool = True) -> None:
+        changes = []
+        for s, cells in enumerate(self.v_cells):
+            idxs = np.flatnonzero(cells.used_mask())
+            cells.clear()
+            self.v_heads[s] = 0
+            changes.append(self._stream_cells(s, idxs))
+        self.pending_copies.clear()
+        if data:
+            for t in self.k + self.v:
+                t.zero_()
+        self._publish(ev.CellsRemoved, changes, reason="clear")
+
+    # ---- slot search, dry run and apply -----------------------------------------------------
+    def _token_groups(self, ubatch: UBatch) -> list[tuple[int, slice]]:
+        """(stream, token slice) per group: all tokens in unified mode, one group per seq otherwise."""
+        if self.n_stream == 1:
+            return [(0, slice(0, ubatch.n_tokens))]
+        n = ubatch.n_tokens // len(ubatch.seq_id_unq)
+        return [(self.seq_to_stream(seq_id), slice(k * n, (k + 1) * n))
+                for k, seq_id in enumerate(ubatch.seq_id_unq)]
+
+    def find_slot(self, ubatch: UBatch) -> SlotInfo | None:
+        """Choose cells for the ubatch without changing anything; None when it does not fit."""
+        streams, idxs = [], []
+        for stream, tokens in self._token_groups(ubatch):
+            n = tokens.stop - tokens.start
+            found = self._find_cells(stream, n)
+            if found is None:
+                return None
+            streams.append(stream)
+            idxs.append(found)
+        return SlotInfo(tuple(streams), tuple(idxs))
+
+    def _find_cells(self, stream: int, n: int) -> np.ndarray | None:
+        cells = self.v_cells[stream]
+        head = self.v_heads[stream]
+        used = cells.get_used()
+        if head > used + 2 * n:
+            head = 0  # llama.cpp's heuristic: a far head after many removals restarts the scan
+        if n > self.size:
+            log.debug("find_slot: n_tokens = %d > size = %d", n, self.size)
+            self._publish_slot_failure(stream, n)
+            return None
+        order = (head + np.arange(self.size)) % self.size
+        usable = self._usable_cells(cells)[order]
+        chosen = order[usable][:n]
+        if chosen.size < n:
+            self._publish_slot_failure(stream, n)
+            return None
+        return chosen
+
+    def _usable_cells(self, cells: KVCells) -> np.ndarray:
+        usable = ~cells.used_mask()
+        if self.layout.swa_type != SwaType.NONE:
+            all_idx = np.arange(self.size)
+            single = cells.single_seq_of(all_idx)
+            max_p1 = cells.seq_pos_max_all()[np.maximum(single, 0)] + 1
+            usable |= (single >= 0) & is_masked_swa(self.layout.n_swa, self.layout.swa_type, cells.pos, max_p1)
+        return usable
+
+    def _publish_slot_failure(self, stream: int, n: int) -> None:
+        if self.bus.active:
+            self.bus.publish(ev.SlotSearchFailed(self.name, stream, n, self.size,
+                                                 self.v_cells[stream].get_used(), self.v_heads[stream]))
+
+    def apply_ubatch(self, sinfo: SlotInfo, ubatch: UBatch, *, ubatch_index: int = 0,
+                     tentative: bool = False) -> None:
+        """Write the ubatch's positions and sequences into the chosen cells and move the heads."""
+        changes, max_rm = [], {}
+        for (stream, tokens), idxs in zip(self._token_groups(ubatch), sinfo.idxs):
+            cells = self.v_cells[stream]
+            self._note_overwritten(cells, idxs, max_rm, stream)
+            cells.pos_set(idxs, ubatch.pos[tokens])
+            seq_lists = ubatch.seq_ids[tokens]
+            counts = np.fromiter((len(ids) for ids in seq_lists), dtype=np.int64, count=len(seq_lists))
+            flat_seq = np.fromiter((s for ids in seq_lists for s in ids), dtype=np.int64, count=int(counts.sum()))
+            cells.seq[flat_seq, np.repeat(idxs, counts)] = True
+            self.v_heads[stream] = int(idxs[-1]) + 1
+            changes.append(self._stream_cells(stream, idxs))
+        self._publish(ev.CellsAllocated, changes, ubatch=ubatch_index, n_tokens=ubatch.n_tokens,
+                      tentative=tentative)
+        for (stream, seq_id), p_max in max_rm.items():
+            p_min = self.v_cells[stream].seq_pos_min(seq_id)
+            if 0 <= p_min <= p_max:
+                log.debug("purging positions [%d, %d] of sequence %d", p_min, p_max, seq_id)
+                self.seq_rm(seq_id, p_min, p_max + 1, reason="purge", tentative=tentative)
+
+    def _note_overwritten(self, cells: KVCells, idxs: np.ndarray, max_rm: dict, stream: int) -> None:
+        """SWA reuse: empty the masked cells about to be overwritten, remembering the highest
+        position removed per sequence so that the purge keeps each sequence gap-free."""
+        taken = idxs[cells.pos[idxs] >= 0]
+        if not taken.size:
+            return
+        for seq_id, pos in zip(cells.single_seq_of(taken), cells.pos[taken]):
+            key = (stream, int(seq_id))
+            max_rm[key] = max(max_rm.get(key, -1), int(pos))
+        cells.rm(taken)
+
+    def prepare(self, ubatches: list[UBatch]) -> list[SlotInfo] | None:
+        """Dry run: place every ubatch in turn, then restore. Returns the slots, or None if one fails."""
+        saved, slots = [], []
+        for k, ub in enumerate(ubatches):
+            sinfo = self.find_slot(ub)
+            if sinfo is None:
+                break
+            snaps = [(stream, self.v_cells[stream].snapshot(idxs)) for stream, idxs in zip(sinfo.streams, sinfo.idxs)]
+            saved.append((snaps, list(self.v_heads)))
+            self.apply_ubatch(sinfo, ub, ubatch_index=k, tentative=True)
+            slots.append(sinfo)
+        restored: dict[int, set[int]] = {}
+        for snaps, heads in reversed(saved):
+            for stream, snap in snaps:
+                self.v_cells[stream].restore(snap)
+                restored.setdefault(stream, set()).update(int(i) for i in snap.idxs)
+            self.v_heads = heads
+        if restored:
+            changes = [self._stream_cells(s, np.array(sorted(i), dtype=np.int64)) for s, i in sorted(restored.items())]
+            self._publish(ev.SlotsRolledBack, changes, tentative=True)
+        return slots if len(slots) == len(ubatches) else None
+
+    # ---- update: stream copies and K-shift -------------------------------------------------
+    def has_pending_update(self) -> bool:
+        return bool(self.pending_copies) or any(c.has_shift for c in self.v_cells)
+
+    def update(self) -> bool:
+        """Run queued stream copies, then the K-shift. Returns whether anything was done."""
+        did = False
+        copies, self.pending_copies = self.pending_copies, []
+        for src, dst in copies:
+            for t in self.k + self.v:
+                t[dst].copy_(t[src])
+            log.debug("copying KV buffer: stream %d to stream %d", src, dst)
+            if self.bus.active:
+                self.bus.publish(ev.StreamCopyExecuted(self.name, src, dst, len(self.k)))
+            did = True
+        if any(c.has_shift for c in self.v_cells):
+            self._check_shift("update")
+            log.debug("applying K-shift")
+            self._apply_k_shift()
+            did = True
+        return did
+
+    def _apply_k_shift(self) -> None:
+        lo = self.layout
+        changes, amounts = [], []
+        for s, cells in enumerate(self.v_cells):
+            idxs = np.flatnonzero(cells.shift != 0)
+            if idxs.size:
+                delta = torch.from_numpy(cells.shift[idxs].copy())
+                rows = torch.from_numpy(idxs)
+                for il, k in zip(self.layout.layer_ids, self.k):
+                    keys = k[s, rows].float().view(-1, lo.n_head_kv, lo.head_dim)
+                    shifted = self._key_shifter(il, keys, delta)
+                    k[s, rows] = shifted.reshape(len(idxs), -1).to(k.dtype)
+                amounts.append(ev._frozen_array(cells.shift[idxs]))
+            cells.reset_shift()
+            changes.append(self._stream_cells(s, idxs))
+        self._publish(ev.KShiftApplied, changes, amounts=tuple(amounts), n_layers=len(self.k))
+
+    # ---- tensors for the forward pass -----------------------------------------------------
+    def n_kv(self, streams: tuple[int, ...]) -> int:
+        """Cells visible to attention: the used span rounded up to the padding (mask width)."""
+        pad = self.layout.pad
+        used_max_p1 = max(self.v_cells[s].used_max_p1() for s in streams)
+        padded = (used_max_p1 + pad - 1) // pad * pad
+        return min(self.size, max(pad, padded))
+
+    def attention_inputs(self, sinfo: SlotInfo, ubatch: UBatch) -> "UbatchAttention":
+        return UbatchAttention(self, sinfo, ubatch)
+
+    # ---- events ---------------------------------------------------------------------------
+    def _stream_cells(self, stream: int, idxs: np.ndarray) -> ev.StreamCells | None:
+        if not self.bus.active:
+            return None
+        cells = self.v_cells[stream]
+        idxs = np.asarray(idxs, dtype=np.int64)
+        return ev.StreamCells(stream, ev._frozen_array(idxs), ev._frozen_array(cells.pos[idxs]),
+                              ev._frozen_array(cells.shift[idxs]), ev.pack_seq_bits(cells.seq[:, idxs]),
+                              self.v_heads[stream])
+
+    def _publish(self, kind: type, changes: list, **fields) -> None:
+        if self.bus.active:
+            self.bus.publish(kind(cache=self.name, changes=tuple(changes), **fields))
+
+    def publish_snapshot(self) -> None:
+        """Publish the complete state, so that a watcher that missed events can resync."""
+        self._publish(ev.MemorySnapshot, [self._stream_cells(s, np.arange(self.size)) for s in range(self.n_stream)])
+
+
+class UbatchAttention:
+    """Per-ubatch access to the cache for the model: store this ubatch's K/V, read all visible K/V,
+    and the KQ mask, built once from the cells after the ubatch was applied."""
+
+    def __init__(self, cache: KVCache, sinfo: SlotInfo, ubatch: UBatch) -> None:
+        self.cache = cache
+        self.n_groups = len(sinfo.streams)
+        self.n_kv = cache.n_kv(sinfo.streams)
+        streams = list(sinfo.streams)
+        self._stream_slice = (slice(streams[0], streams[0] + 1) if self.n_groups == 1 else
+                              torch.tensor(streams, dtype=torch.long))
+        n_per = sinfo.n_per_stream
+        self._token_stream = torch.tensor(np.repeat(streams, n_per), dtype=torch.long)
+        self._token_cell = torch.from_numpy(np.concatenate(sinfo.idxs).astype(np.int64))
+        self.mask = self._build_mask(sinfo, ubatch)  # [groups, 1, n_per, n_kv] bool, True = attend
+
+    def _build_mask(self, sinfo: SlotInfo, ubatch: UBatch) -> torch.Tensor:
+        cache, n_kv = self.cache, self.n_kv
+        n_per = sinfo.n_per_stream
+        lo = cache.layout
+        masks = []
+        for g, stream in enumerate(sinfo.streams):
+            cells = cache.v_cells[stream]
+            tokens = slice(g * n_per, (g + 1) * n_per)
+            # A token with several sequences is masked as its last listed sequence (llama.cpp).
+            deciding = np.fromiter((ids[-1] for ids in ubatch.seq_ids[tokens]), dtype=np.int64, count=n_per)
+            cell_pos = cells.pos[:n_kv][None, :]
+            tok_pos = ubatch.pos[tokens][:, None]
+            keep = cells.seq[deciding, :n_kv] & (cell_pos >= 0) & (cell_pos <= tok_pos)
+            if lo.swa_type != SwaType.NONE:
+                keep &= ~is_masked_swa(lo.n_swa, lo.swa_type, cell_pos, tok_pos)
+            masks.append(keep)
+        return torch.from_numpy(np.stack(masks)[:, None])
+
+    def store_and_load(self, il: int, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype):
+        """k, v: [n_tokens, n_embd_k|v]. Returns K, V as [groups, n_head_kv, n_kv, head_dim]."""
+        cache = self.cache
+        i = cache.layer_index[il]
+        kc, vc = cache.k[i], cache.v[i]
+        kc[self._token_stream, self._token_cell] = k.to(kc.dtype)
+        lo = cache.layout
+        n_kv = self.n_kv
+        keys = kc[self._stream_slice, :n_kv]
+        keys = keys.view(self.n_groups, n_kv, lo.n_head_kv, lo.head_dim).transpose(1, 2).to(dtype)
+        if lo.v_trans:
+            vc[self._token_stream, :, self._token_cell] = v.to(vc.dtype)
+            values = vc[self._stream_slice, :, :n_kv]
+            values = values.reshape(self.n_groups, lo.n_head_kv, lo.head_dim, n_kv).transpose(-1, -2).to(dtype)
+        else:
+            vc[self._token_stream, self._token_cell] = v.to(vc.dtype)
+            values = vc[self._stream_slice, :n_kv]
+            values = values.view(self.n_groups, n_kv, lo.n_head_kv, lo.head_dim).transpose(1, 2).to(dtype)
+        return keys, values
+
+
+def _range(p0: int, p1: int) -> tuple[int, int]:
+    return max(p0, 0), (POS_INF if p1 < 0 else p1)

@@ -1,0 +1,44 @@
+"""K/V cache storage types: names, block sizes and row sizes exactly as ggml counts them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import ContextParamsError
+
+
+@dataclass(frozen=True)
+class CacheType:
+    name: str
+    block_size: int  # values per block
+    block_bytes: int  # bytes per block
+    torch_dtype: torch.dtype | None  # storage dtype when the type maps onto a torch dtype
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.block_size > 1
+
+    def row_bytes(self, n_values: int) -> int:
+        """Bytes of one row of n_values values (ggml_row_size)."""
+        if n_values % self.block_size:
+            raise ContextParamsError(
+                f"a row of {n_values} values is not a whole number of {self.name} blocks of {self.block_size}"
+            )
+        return n_values // self.block_size * self.block_bytes
+
+
+CACHE_TYPES: dict[str, CacheType] = {
+    "f32": CacheType("f32", 1, 4, torch.float32),
+    "f16": CacheType("f16", 1, 2, torch.float16),
+    "bf16": CacheType("bf16", 1, 2, torch.bfloat16),
+}
+
+
+def cache_type(name: str) -> CacheType:
+    try:
+        return CACHE_TYPES[name.lower()]
+    except KeyError:
+        raise ContextParamsError(
+            f"unsupported KV cache type {name!r}; choose one of {', '.join(CACHE_TYPES)}"
+        ) from None

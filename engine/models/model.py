@@ -1,0 +1,48 @@
+"""A loaded model: config, tokenizer and the transformer in its compute dtype."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.errors import ContextParamsError
+from engine.models.config import ModelConfig
+from engine.models.tokenizer import Tokenizer
+from engine.models.transformer import Transformer
+
+log = logging.getLogger("kvscope.model")
+
+COMPUTE_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+@dataclass
+class Model:
+    config: ModelConfig
+    tokenizer: Tokenizer
+    transformer: Transformer
+    path: str
+    file_format: str
+    tensor_types: dict[str, str]
+
+    @property
+    def name(self) -> str:
+        return self.config.name or Path(self.path).name
+
+    @property
+    def n_vocab(self) -> int:
+        return self.config.n_vocab
+
+
+def load_model(path: str | Path, *, dtype: str = "f32") -> Model:
+    """Load a GGUF file or a Hugging Face folder. dtype: compute dtype, f32 (default), bf16 or f16."""
+    from engine.models.load import read_checkpoint
+
+    if dtype not in COMPUTE_DTYPES:
+        raise ContextParamsError(f"unknown compute dtype {dtype!r}; choose one of {', '.join(COMPUTE_DTYPES)}")
+    ckpt = read_checkpoint(path)
+    transformer = Transformer(ckpt.config, ckpt.tensors, COMPUTE_DTYPES[dtype])
+    log.info("load_tensors: loaded %s (%s, %d layers, %.2f M parameters, compute %s)", ckpt.config.name or path,
+             ckpt.config.arch, ckpt.config.n_layer, transformer.n_params() / 1e6, dtype)
+    return Model(ckpt.config, ckpt.tokenizer, transformer, str(path), ckpt.file_format, dict(ckpt.tensor_types))

@@ -1,0 +1,433 @@
+"""Tiny models written from scratch, for tests, benchmarks and the CLI demo (nothing is downloaded).
+
+- `train_tiny_tokenizer`: a byte-level BPE trained on `TINY_CORPUS`, with "<s>" and "</s>".
+- `write_hf_model`: a random-weight LlamaForCausalLM / Qwen2ForCausalLM folder (safetensors).
+- `write_gguf_from_hf`: its GGUF twin, converted the way llama.cpp's convert_hf_to_gguf.py does
+  (names from gguf's own TensorNameMap, Q/K permutation for llama, gpt2 tokenizer metadata). It
+  reads the folder with json/safetensors directly, not with kvscope's reader, so that comparing the
+  two readers is a real check.
+- `write_tiny_llama_demo`: both, small enough for a CLI demo.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from engine.models.config import RopeScaling
+
+logger = logging.getLogger(__name__)
+
+BOS_TOKEN, EOS_TOKEN = "<s>", "</s>"
+TensorType = Literal["F32", "F16", "Q8_0", "mixed"]
+
+TINY_CORPUS = """\
+The lighthouse keeper woke before the sun, as he had done for thirty years. He climbed the narrow
+stairs with a cup of tea in one hand and a rag in the other, and he polished the great lens until
+it shone like water. Outside, the sea was calm and grey, and a few gulls were already arguing over
+the remains of a fish on the rocks below. He liked the mornings best, when the world was quiet and
+nothing had gone wrong yet.
+
+In the village at the foot of the hill, the baker was pulling the first loaves out of the oven.
+The smell of warm bread drifted down the main street and into the open windows of the houses.
+Children would soon be walking to school, and their parents would stop at the bakery for bread,
+milk and the latest news. Most of the news was small: a cat had been found, a fence had fallen
+down, and the old bridge over the river needed another coat of paint before the winter came.
+
+Learning a new language is a slow and patient kind of work. At first every sentence feels like a
+puzzle, and you count the words on your fingers before you dare to speak. Then, one day, you
+notice that you understood a joke without translating it in your head. That moment is worth all
+the hours spent with lists of verbs and tables of endings. The trick is to keep going when it
+feels as if nothing is changing, because the change is happening underneath.
+
+A good recipe is a kind of promise. It says that if you take these things, in these amounts, and
+treat them in this order, you will get something worth eating. Of course the promise is not
+always kept. Ovens run hot or cold, flour changes from one bag to the next, and eggs come in many
+sizes. An experienced cook reads the recipe as a set of suggestions and watches the food instead
+of the clock.
+
+The train left the city at a quarter past nine and headed north through the fields. Most of the
+passengers were reading or sleeping, but a small boy near the window counted the cows and the
+horses and reported the numbers to his grandmother, who wrote them down in a notebook. By the
+time they reached the mountains he had counted two hundred and twelve cows, nine horses and one
+very surprised goat standing on the roof of a shed.
+
+Computers do exactly what they are told, which is both their strength and their weakness. A
+program that works perfectly on Monday can fail on Tuesday because someone typed a name with an
+accent, or because a file was a little larger than anyone expected. Careful programmers write
+tests that try the strange cases on purpose. They ask what happens when the list is empty, when
+the number is negative, and when the network is slow, and they write down the answers.
+
+In the garden, the tomatoes were finally turning red. The beans had climbed to the top of their
+poles and were reaching for the sky, while the pumpkins spread quietly across the path as if they
+owned it. Every evening the gardener walked between the rows with a watering can, pulling a weed
+here and there, and thinking about what to plant next spring. Gardens, she liked to say, teach you
+that most good things take longer than you want them to.
+
+When the storm finally arrived, it came from the west with a sound like a crowd of people
+running. The rain hammered on the roofs and the wind bent the trees almost to the ground. In the
+lighthouse, the keeper lit the lamp early and watched the beam sweep across the dark water. Far
+out on the waves, a small fishing boat turned toward the light and made its slow way home.
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def train_tiny_tokenizer(vocab_size: int = 512, *, text: str | None = None) -> Any:
+    """A byte-level BPE trained on `text` (default TINY_CORPUS) with `tokenizers`.
+
+    Ids 0 and 1 are the special tokens "<s>" (BOS) and "</s>" (EOS); the next 256 are the bytes.
+    A small corpus runs out of merges, so the vocabulary may end below `vocab_size` (logged).
+
+    Returns:
+        a `tokenizers.Tokenizer`.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS_TOKEN, EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = (text or TINY_CORPUS).split("\n\n")
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    if tokenizer.get_vocab_size() < vocab_size:
+        logger.info("tiny tokenizer has %d tokens (asked for %d)", tokenizer.get_vocab_size(), vocab_size)
+    return tokenizer
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face folder
+
+
+def _rope_parameters(rope_theta: float, rope_scaling: RopeScaling | dict | None) -> dict[str, Any]:
+    """transformers 5 `rope_parameters` for default or llama3 RoPE."""
+    if rope_scaling is None:
+        return {"rope_type": "default", "rope_theta": rope_theta}
+    scaling = asdict(rope_scaling) if isinstance(rope_scaling, RopeScaling) else dict(rope_scaling)
+    scaling.pop("type", None)
+    return {"rope_type": "llama3", **{k: v for k, v in scaling.items() if k != "rope_type"}, "rope_theta": rope_theta}
+
+
+@torch.no_grad()
+def _init_weights(model: torch.nn.Module, seed: int, *, tied: bool) -> None:
+    """Re-draw every weight so that logits are peaked but not degenerate.
+
+    transformers' default init (std 0.02) gives near-uniform logits on a tiny model, which hides
+    bugs; 1/sqrt(fan_in) keeps activations O(1), and norm weights around 1 (not exactly 1) make a
+    mixed-up norm visible. A tied embedding is also the head, so it gets the head's scale.
+    """
+    g = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        if name.endswith("norm.weight"):
+            p.copy_(1.0 + 0.2 * (torch.rand(p.shape, generator=g) - 0.5))
+        elif name.endswith("bias"):
+            p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        elif "embed_tokens" in name and not tied:
+            p.copy_(torch.randn(p.shape, generator=g))
+        elif "embed_tokens" in name or name == "lm_head.weight":
+            # the head sets the logit scale: std 2 over a unit-RMS hidden state
+            p.copy_(torch.randn(p.shape, generator=g) * (2.0 / math.sqrt(p.shape[1])))
+        else:
+            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+
+
+def _hf_config(arch: str, **kwargs: Any) -> Any:
+    from transformers import LlamaConfig, Qwen2Config
+
+    if arch == "llama":
+        return LlamaConfig(architectures=["LlamaForCausalLM"], **kwargs)
+    if arch == "qwen2":
+        return Qwen2Config(architectures=["Qwen2ForCausalLM"], **kwargs)
+    raise ValueError(f"arch {arch!r} is not one write_hf_model builds; use 'llama' or 'qwen2'")
+
+
+def write_hf_model(
+    folder: str | Path,
+    arch: Literal["llama", "qwen2"] = "llama",
+    *,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+    vocab_size: int = 512,
+    seed: int = 0,
+    rope_theta: float = 10000.0,
+    rope_scaling: RopeScaling | dict | None = None,
+    n_ctx_train: int = 2048,
+    tie: bool = False,
+    max_shard_size: int | str | None = None,
+) -> Path:
+    """Write a random-weight float32 Hugging Face model folder with a tiny trained tokenizer.
+
+    Args:
+        folder: where to write (created); its name becomes the model name.
+        arch: "llama" (LlamaForCausalLM) or "qwen2" (Qwen2ForCausalLM, with q/k/v biases).
+        rope_scaling: llama3-style scaling, as a RopeScaling or a dict of its fields.
+        tie: share the embedding with the output head (no lm_head.weight is written).
+        max_shard_size: e.g. "100KB" or bytes; when given, weights are split into shards with
+            model.safetensors.index.json.
+        The other arguments are the hyper-parameters, named as in ModelConfig.
+
+    Returns:
+        the folder.
+    """
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tiny_tokenizer(vocab_size)
+    config = _hf_config(
+        arch,
+        vocab_size=vocab_size,
+        hidden_size=n_embd,
+        intermediate_size=n_ff,
+        num_hidden_layers=n_layer,
+        num_attention_heads=n_head,
+        num_key_value_heads=n_head_kv,
+        max_position_embeddings=n_ctx_train,
+        rms_norm_eps=1e-5,
+        rope_parameters=_rope_parameters(rope_theta, rope_scaling),
+        tie_word_embeddings=tie,
+        bos_token_id=tokenizer.token_to_id(BOS_TOKEN),
+        eos_token_id=tokenizer.token_to_id(EOS_TOKEN),
+    )
+    model_class = LlamaForCausalLM if arch == "llama" else Qwen2ForCausalLM
+    model = model_class(config).to(torch.float32).eval()
+    _init_weights(model, seed, tied=tie)
+    save_kwargs: dict[str, Any] = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(folder, **save_kwargs)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": arch == "llama",  # llama adds BOS; qwen2 does not
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "model_max_length": n_ctx_train,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF conversion
+
+
+def llama3_rope_freq_factors(scaling: RopeScaling, *, head_dim: int, rope_theta: float) -> np.ndarray:
+    """The `rope_freqs.weight` llama.cpp's converter writes for llama3 scaling: one divisor per
+    pair of dimensions (1 for short wavelengths, `factor` for long ones, smooth in between)."""
+    freqs = 1.0 / (rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(scaling.factor)
+        else:
+            smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+                scaling.high_freq_factor - scaling.low_freq_factor
+            )
+            factors.append(1.0 / ((1 - smooth) / scaling.factor + smooth))
+    return np.asarray(factors, dtype=np.float32)
+
+
+def _load_hf_tensors(folder: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    tensors: dict[str, np.ndarray] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update({k: v.astype(np.float32) for k, v in load_file(str(f)).items()})
+    return tensors
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf's LlamaModel.permute: per head, HF rows i, i + d/2 -> rows 2i, 2i + 1."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _storage_type(gguf_name: str, array: np.ndarray, tensor_type: TensorType) -> str:
+    """Which type a tensor is written as. 1-D tensors (norms, biases) always stay F32, as in llama.cpp."""
+    if array.ndim == 1:
+        return "F32"
+    if tensor_type != "mixed":
+        if tensor_type == "Q8_0" and array.shape[-1] % 32 != 0:
+            raise ValueError(
+                f"{gguf_name}: Q8_0 needs the inner dimension to be a multiple of 32, it is {array.shape[-1]}; "
+                "pick sizes that are multiples of 32 or use F16"
+            )
+        return tensor_type
+    # "mixed": exercise several types in one file
+    if gguf_name == "token_embd.weight":
+        choice = "F16"
+    elif gguf_name == "output.weight":
+        choice = "F32"
+    elif ".ffn_gate." in gguf_name or ".ffn_up." in gguf_name:
+        choice = "F16"
+    else:
+        choice = "Q8_0"
+    if choice == "Q8_0" and array.shape[-1] % 32 != 0:
+        choice = "F16"
+    return choice
+
+
+def _add_tensor(writer: Any, name: str, array: np.ndarray, storage: str) -> None:
+    import gguf
+
+    if storage == "F32":
+        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    elif storage == "F16":
+        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float16))
+    else:
+        qtype = gguf.GGMLQuantizationType[storage]
+        q = gguf.quants.quantize(np.ascontiguousarray(array, dtype=np.float32), qtype)
+        writer.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+
+
+def _tokenizer_metadata(folder: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """gpt2-style tokenizer keys from tokenizer.json, padded to vocab_size with [PADn] tokens."""
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    if tok["model"]["type"] != "BPE" or (tok.get("pre_tokenizer") or {}).get("type") != "ByteLevel":
+        raise ValueError(f"{folder}: write_gguf_from_hf converts byte-level BPE tokenizers only")
+    vocab: dict[str, int] = dict(tok["model"]["vocab"])
+    special = {t["content"] for t in tok.get("added_tokens", []) if t.get("special")}
+    for t in tok.get("added_tokens", []):
+        vocab.setdefault(t["content"], t["id"])
+    by_id = {i: t for t, i in vocab.items()}
+    n_vocab = max(int(config["vocab_size"]), len(by_id))
+    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(n_vocab)]
+    types = [3 if t in special else (1 if i in by_id else 5) for i, t in enumerate(tokens)]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    return {"tokens": tokens, "types": types, "merges": merges, "add_bos": bool(tok_config.get("add_bos_token"))}
+
+
+def _write_metadata(writer: Any, arch: str, config: dict[str, Any], name: str, tensor_type: str) -> None:
+    n_embd, n_head = int(config["hidden_size"]), int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or n_embd // n_head)
+    rope = config.get("rope_parameters") or {}
+    file_types = {"F32": 0, "F16": 1, "Q8_0": 7, "mixed": 7}
+    writer.add_name(name)
+    writer.add_file_type(file_types[tensor_type])
+    writer.add_context_length(int(config["max_position_embeddings"]))
+    writer.add_embedding_length(n_embd)
+    writer.add_block_count(int(config["num_hidden_layers"]))
+    writer.add_feed_forward_length(int(config["intermediate_size"]))
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(int(config.get("num_key_value_heads") or n_head))
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
+    writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+    writer.add_vocab_size(int(config["vocab_size"]))
+
+
+def write_gguf_from_hf(
+    hf_folder: str | Path,
+    gguf_path: str | Path,
+    *,
+    tensor_type: TensorType = "F32",
+    permute_qk: bool = True,
+) -> Path:
+    """Convert a folder written by `write_hf_model` to GGUF, as llama.cpp's converter would.
+
+    Args:
+        hf_folder: the Hugging Face folder.
+        gguf_path: the file to write.
+        tensor_type: storage of 2-D weights: "F32", "F16", "Q8_0" (inner dim a multiple of 32), or
+            "mixed" (F32, F16 and Q8_0 for different tensors). Norms and biases are always F32.
+        permute_qk: apply llama.cpp's Q/K row permutation for llama (False writes a deliberately
+            wrong file, for tests that show the permutation matters).
+
+    Returns:
+        gguf_path.
+    """
+    import gguf
+
+    hf_folder, gguf_path = Path(hf_folder), Path(gguf_path)
+    config = json.loads((hf_folder / "config.json").read_text())
+    arch = config["model_type"]
+    n_layer, n_head = int(config["num_hidden_layers"]), int(config["num_attention_heads"])
+    n_head_kv = int(config.get("num_key_value_heads") or n_head)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], n_layer)
+
+    writer = gguf.GGUFWriter(str(gguf_path), arch)
+    _write_metadata(writer, arch, config, hf_folder.resolve().name, tensor_type)
+    tok = _tokenizer_metadata(hf_folder, config)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list(tok["tokens"])
+    writer.add_token_types(tok["types"])
+    writer.add_token_merges(tok["merges"])
+    writer.add_bos_token_id(int(config["bos_token_id"]))
+    writer.add_eos_token_id(int(config["eos_token_id"]))
+    writer.add_add_bos_token(tok["add_bos"])
+
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type") == "llama3":
+        scaling = RopeScaling(
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // n_head)
+        factors = llama3_rope_freq_factors(scaling, head_dim=head_dim, rope_theta=float(rope["rope_theta"]))
+        writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors)
+
+    for hf_name, array in sorted(_load_hf_tensors(hf_folder).items()):
+        gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise ValueError(f"{hf_folder}: no llama.cpp name for tensor {hf_name!r}")
+        if arch == "llama" and permute_qk and ".q_proj." in hf_name:
+            array = _permute(array, n_head)
+        elif arch == "llama" and permute_qk and ".k_proj." in hf_name:
+            array = _permute(array, n_head_kv)
+        _add_tensor(writer, gguf_name, array, _storage_type(gguf_name, array, tensor_type))
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return gguf_path
+
+
+# ---------------------------------------------------------------------------------------------
+# Demo
+
+
+def write_tiny_llama_demo(folder: str | Path, *, tensor_type: TensorType = "F32") -> tuple[Path, Path]:
+    """Write a 4-layer, 128-wide llama for CLI demos: `folder/tiny-llama` and `folder/tiny-llama.gguf`.
+
+    Returns:
+        (hf_folder, gguf_path).
+    """
+    folder = Path(folder)
+    hf = write_hf_model(
+        folder / "tiny-llama",
+        "llama",
+        n_layer=4,
+        n_embd=128,
+        n_head=4,
+        n_head_kv=2,
+        n_ff=256,
+        vocab_size=512,
+        seed=1234,
+    )
+    return hf, write_gguf_from_hf(hf, folder / "tiny-llama.gguf", tensor_type=tensor_type)
