@@ -6,6 +6,7 @@
 """
 from engine.batch import Batch
 from engine.context import Context
+from engine import events
 from engine.errors import (BatchTooLargeError, ContextParamsError, InvalidBatchError, KvscopeError,
                            MemoryOperationError, ModelFileError, UnsupportedArchitectureError)
 from engine.events import EventBus
@@ -13,7 +14,7 @@ from engine.mirror import CacheMirror
 from engine.models.model import Model, load_model
 
 __all__ = [
-    "Batch", "BatchTooLargeError", "CacheMirror", "Context", "ContextParamsError", "EventBus",
+    "Batch", "BatchTooLargeError", "events", "CacheMirror", "Context", "ContextParamsError", "EventBus",
     "InvalidBatchError", "KvscopeError", "MemoryOperationError", "Model", "ModelFileError",
     "UnsupportedArchitectureError", "load_model",
 ]

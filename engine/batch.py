@@ -81,7 +81,7 @@ class BatchAllocator:
         for i, s in enumerate(self.seq_set):
             self.seq_set_map.setdefault(s, []).append(i)
         self.seq_id_unq = tuple(sorted(set().union(*self.seq_set)))
-        self.has_cpl = _check_consistency(self.pos, self.seq_ids, self.seq_set, memory)
+        self.has_cpl = _check_consistency(self.pos, self.seq_ids, memory)
         self.used = np.zeros(n, dtype=bool)
 
     @property
@@ -188,7 +188,7 @@ def _outputs(batch: Batch, n: int) -> np.ndarray:
     return np.asarray(batch.logits, dtype=bool)
 
 
-def _check_consistency(pos, seq_ids, seq_set, memory: SeqPositions | None) -> bool:
+def _check_consistency(pos, seq_ids, memory: SeqPositions | None) -> bool:
     """llama.cpp's consistency checks; returns whether any sequences are coupled."""
     seq_pos: dict[int, set[int]] = {}
     coupled: set[tuple[int, int]] = set()
@@ -215,13 +215,11 @@ def _check_consistency(pos, seq_ids, seq_set, memory: SeqPositions | None) -> bo
                     or memory.seq_pos_max(s0) != memory.seq_pos_max(s1)):
                 raise InvalidBatchError(
                     f"init: sequence {s0} is coupled to {s1} in the input batch, but have divereged")
-    cur_set: dict[int, frozenset[int]] = {}
+    # llama.cpp also intersects each sequence's sets here ("incompatible sequence sets"), but a
+    # sequence is always in its own set, so that check cannot fail and is left out.
     cur_pos: dict[int, int] = {}
     for i, ids in enumerate(seq_ids):
         for s in ids:
-            cur_set[s] = cur_set.get(s, seq_set[i]) & seq_set[i]
-            if not cur_set[s]:
-                raise InvalidBatchError(f"init: sequence {s} belongs to incompatible sequence sets (not allowed)")
             if pos[i] < cur_pos.get(s, -1):
                 raise InvalidBatchError(f"init: sequence {s} positions are decreasing (not allowed)")
             cur_pos[s] = int(pos[i])

@@ -128,8 +128,7 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
-                        format="%(message)s", stream=sys.stderr)
+    handler = _log_to_stderr(verbose=getattr(args, "verbose", False))
     commands = {"generate": cmd_generate, "make-tiny-model": cmd_make_tiny_model}
     try:
         return commands[args.command](args)
@@ -139,6 +138,18 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # sampler parameter validation
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        logging.getLogger("kvscope").removeHandler(handler)
+
+
+def _log_to_stderr(verbose: bool) -> logging.Handler:
+    """llama.cpp prints its log lines bare on stderr; so does kvscope's command."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("kvscope")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG if verbose else logging.INFO)
+    return handler
 
 
 if __name__ == "__main__":

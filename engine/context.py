@@ -241,12 +241,12 @@ class Context:
         return 0
 
     def _remove_failed_ubatch(self, ub: UBatch) -> None:
-        """llama.cpp's cleanup: each sequence of the failed ubatch loses its cells from the ubatch's
-        smallest position of that sequence on."""
+        """llama.cpp's cleanup (§10): each sequence of the failed ubatch loses its cells from the ubatch's
+        smallest position of that sequence on. Only each token's FIRST seq id counts (llama.cpp keys
+        pos_min by ubatch.seq_id[i][0]), so the other seqs of a coupled token keep those cells."""
         p_min: dict[int, int] = {}
         for ids, pos in zip(ub.seq_ids, ub.pos):
-            for s in ids:
-                p_min[s] = min(p_min.get(s, int(pos)), int(pos))
+            p_min[ids[0]] = min(p_min.get(ids[0], int(pos)), int(pos))
         for s, p in sorted(p_min.items()):
             log.warning("decode: removing memory module entries for seq_id = %d, pos = [%d, +inf)", s, p)
             self.memory.seq_rm(s, p, -1, reason="failure_cleanup")

@@ -5,8 +5,7 @@ from pathlib import Path
 
 import pytest
 
-# Hyper-parameters of the tiny file-backed models. Multiples of 32 so Q8_0 conversions work.
-TINY_SHAPE = dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, vocab_size=512)
+from engine.testing.tiny_models import TINY_TEST_SHAPE
 
 
 @pytest.fixture(scope="session")
@@ -14,7 +13,7 @@ def tiny_llama_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight LlamaForCausalLM folder (safetensors, tokenizer.json), seed 0, untied."""
     from engine.testing import write_hf_model
 
-    return write_hf_model(tmp_path_factory.mktemp("hf") / "tiny-llama", "llama", seed=0, **TINY_SHAPE)
+    return write_hf_model(tmp_path_factory.mktemp("hf") / "tiny-llama", "llama", seed=0, **TINY_TEST_SHAPE)
 
 
 @pytest.fixture(scope="session")
@@ -22,7 +21,7 @@ def tiny_qwen2_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight Qwen2ForCausalLM folder (q/k/v biases, tied embeddings), seed 1."""
     from engine.testing import write_hf_model
 
-    return write_hf_model(tmp_path_factory.mktemp("hf") / "tiny-qwen2", "qwen2", seed=1, tie=True, **TINY_SHAPE)
+    return write_hf_model(tmp_path_factory.mktemp("hf") / "tiny-qwen2", "qwen2", seed=1, tie=True, **TINY_TEST_SHAPE)
 
 
 @pytest.fixture(scope="session")

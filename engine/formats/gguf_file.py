@@ -125,8 +125,9 @@ def open_gguf(path: str | Path) -> Any:
         reader = gguf.GGUFReader(path)
     except Exception as exc:  # GGUFReader raises ValueError, IndexError, KeyError, ... on bad bytes
         raise ModelFileError(
-            f"{path}: corrupt or truncated GGUF ({file_size} bytes); the header could not be parsed: "
-            f"{type(exc).__name__}: {exc}"
+            f"{path}: corrupt or truncated GGUF ({file_size} bytes): the file ends before the data its "
+            f"header describes, or the header is damaged ({type(exc).__name__}: {exc}); "
+            "download or convert it again"
         ) from exc
     _check_tensor_extents(reader, path, file_size)
     return reader

@@ -67,6 +67,28 @@ class CacheLayout:
     def v_bytes_per_layer(self) -> int:
         return self.kv_size * self.n_stream * self.type_v.row_bytes(self.n_embd_v)
 
+    def k_bytes(self) -> int:
+        return self.k_bytes_per_layer() * len(self.layer_ids)
+
+    def v_bytes(self) -> int:
+        return self.v_bytes_per_layer() * len(self.layer_ids)
+
+    def buffer_bytes(self) -> int:
+        """The CPU KV buffer: every tensor rounded up to the backend alignment."""
+        per_layer = _aligned(self.k_bytes_per_layer()) + _aligned(self.v_bytes_per_layer())
+        return per_layer * len(self.layer_ids)
+
+    def init_log_lines(self) -> list[str]:
+        """llama.cpp's llama_kv_cache info lines, byte for byte."""
+        mib = 1024.0 * 1024.0
+        k, v = self.k_bytes(), self.v_bytes()
+        return [
+            f"llama_kv_cache: {'CPU':>10s} KV buffer size = {self.buffer_bytes() / mib:8.2f} MiB",
+            (f"llama_kv_cache: size = {(k + v) / mib:7.2f} MiB ({self.kv_size:6d} cells, "
+             f"{len(self.layer_ids):3d} layers, {self.n_seq_max:2d}/{self.n_stream} seqs), "
+             f"K ({self.type_k.name}): {k / mib:7.2f} MiB, V ({self.type_v.name}): {v / mib:7.2f} MiB"),
+        ]
+
 
 def _aligned(n: int, alignment: int = CPU_BUFFER_ALIGNMENT) -> int:
     return (n + alignment - 1) // alignment * alignment
@@ -96,26 +118,13 @@ class KVCache:
 
     # ---- sizes and log lines -------------------------------------------------------------
     def k_bytes(self) -> int:
-        return self.layout.k_bytes_per_layer() * len(self.layout.layer_ids)
+        return self.layout.k_bytes()
 
     def v_bytes(self) -> int:
-        return self.layout.v_bytes_per_layer() * len(self.layout.layer_ids)
-
-    def buffer_bytes(self) -> int:
-        """The CPU KV buffer: every tensor rounded up to the backend alignment."""
-        per_layer = _aligned(self.layout.k_bytes_per_layer()) + _aligned(self.layout.v_bytes_per_layer())
-        return per_layer * len(self.layout.layer_ids)
+        return self.layout.v_bytes()
 
     def init_log_lines(self) -> list[str]:
-        lo = self.layout
-        mib = 1024.0 * 1024.0
-        total = self.k_bytes() + self.v_bytes()
-        return [
-            f"llama_kv_cache: {'CPU':>10s} KV buffer size = {self.buffer_bytes() / mib:8.2f} MiB",
-            (f"llama_kv_cache: size = {total / mib:7.2f} MiB ({lo.kv_size:6d} cells, "
-             f"{len(lo.layer_ids):3d} layers, {lo.n_seq_max:2d}/{lo.n_stream} seqs), "
-             f"K ({lo.type_k.name}): {self.k_bytes() / mib:7.2f} MiB, V ({lo.type_v.name}): {self.v_bytes() / mib:7.2f} MiB"),
-        ]
+        return self.layout.init_log_lines()
 
     # ---- state views ----------------------------------------------------------------------
     def cells(self, stream: int = 0) -> list[tuple[int, frozenset[int], int]]:
@@ -155,8 +164,9 @@ class KVCache:
         return self.v_cells[self.seq_to_stream(seq_id)].seq_pos_max(seq_id)
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1, *, reason: str = "seq_rm",
-               tentative: bool = False) -> bool:
-        """Remove seq_id (all sequences when -1) from the cells with positions in [p0, p1)."""
+               tentative: bool = False, keep_head: bool = False) -> bool:
+        """Remove seq_id (all sequences when -1) from the cells with positions in [p0, p1).
+        keep_head: leave the heads alone (the SWA purge of apply_ubatch, see there)."""
         if seq_id != -1:
             self._check_seq(seq_id, "seq_rm")
         lo, hi = _range(p0, p1)
@@ -172,7 +182,7 @@ class KVCache:
             else:
                 idxs = np.flatnonzero(in_range & cells.seq[seq_id])
                 freed = cells.seq_rm(idxs, seq_id)
-            if freed.size and freed[0] < self.v_heads[s]:
+            if freed.size and freed[0] < self.v_heads[s] and not keep_head:
                 self.v_heads[s] = int(freed[0])
             n_freed += freed.size
             if idxs.size:
@@ -243,11 +253,11 @@ class KVCache:
         """Move seq_id's cells in [p0, p1) by delta; the keys follow at the next update (K-shift)."""
         self._check_seq(seq_id, "seq_add")
         self._check_shift("seq_add")
-        if delta == 0 or p0 == p1:
+        lo, hi = _range(p0, p1)  # normalised before the empty-range check, as llama.cpp does
+        if delta == 0 or lo == hi:
             return
         s = self.seq_to_stream(seq_id)
         cells = self.v_cells[s]
-        lo, hi = _range(p0, p1)
         idxs = np.flatnonzero(cells.seq[seq_id] & (cells.pos >= lo) & (cells.pos < hi))
         old = cells.pos[idxs].copy()
         freed = cells.pos_add(idxs, delta)
@@ -262,11 +272,11 @@ class KVCache:
         self._check_shift("seq_div")
         if d < 1:
             raise MemoryOperationError(f"seq_div: divisor {d} must be >= 1")
-        if d == 1 or p0 == p1:
+        lo, hi = _range(p0, p1)
+        if d == 1 or lo == hi:
             return
         s = self.seq_to_stream(seq_id)
         cells = self.v_cells[s]
-        lo, hi = _range(p0, p1)
         idxs = np.flatnonzero(cells.seq[seq_id] & (cells.pos >= lo) & (cells.pos < hi))
         old = cells.pos[idxs].copy()
         cells.pos_div(idxs, d)
@@ -364,7 +374,9 @@ class KVCache:
             p_min = self.v_cells[stream].seq_pos_min(seq_id)
             if 0 <= p_min <= p_max:
                 log.debug("purging positions [%d, %d] of sequence %d", p_min, p_max, seq_id)
-                self.seq_rm(seq_id, p_min, p_max + 1, reason="purge", tentative=tentative)
+                # llama.cpp sets each head to the slot's last cell + 1 AFTER the purge (§5 "Finally"),
+                # so a cell the purge frees below the slot never becomes the head.
+                self.seq_rm(seq_id, p_min, p_max + 1, reason="purge", tentative=tentative, keep_head=True)
 
     def _note_overwritten(self, cells: KVCells, idxs: np.ndarray, max_rm: dict, stream: int) -> None:
         """SWA reuse: empty the masked cells about to be overwritten, remembering the highest

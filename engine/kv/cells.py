@@ -121,7 +121,9 @@ class KVCells:
         """Move non-empty cells by delta (for all their sequences). Returns cells freed below 0."""
         self.pos[idxs] += delta
         self.shift[idxs] += delta
-        self.has_shift = True
+        # llama.cpp sets has_shift inside the per-cell pos_add, so moving no cell sets nothing (§2, §7:
+        # otherwise the next decode would run a K-shift that llama.cpp does not run).
+        self.has_shift |= bool(idxs.size)
         freed = idxs[self.pos[idxs] < 0]
         self.rm(freed)
         return freed
@@ -133,7 +135,7 @@ class KVCells:
         new = np.where(old >= 0, old // d, -((-old) // d))  # C division truncates
         self.pos[idxs] = new
         self.shift[idxs] += old - new
-        self.has_shift = True
+        self.has_shift |= bool(idxs.size)  # per moved cell, as in pos_add
 
     def reset_shift(self) -> None:
         self.shift[:] = 0

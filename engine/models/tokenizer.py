@@ -270,7 +270,9 @@ def _byte_level_bpe(metadata: dict[str, Any], tokens: Sequence[str], source: str
     return backend
 
 
-def merges_from_scores(tokens: Sequence[str], scores: Sequence[float], mergeable: Sequence[bool]) -> list[tuple[str, str]]:
+def merges_from_scores(
+    tokens: Sequence[str], scores: Sequence[float], mergeable: Sequence[bool]
+) -> list[tuple[str, str]]:
     """Merges implied by a SentencePiece vocabulary: every split of a token into two known tokens,
     best score first (as transformers' `generate_merges` does for LlamaTokenizer)."""
     vocab = _first_ids(tokens)
@@ -322,10 +324,9 @@ def _sentencepiece_bpe(
 def _add_special_tokens(backend: Backend, tokens: Sequence[str], token_types: Sequence[int]) -> None:
     """Control tokens become special (matched whole, skippable in decode); user-defined ones are
     matched whole too, as llama.cpp does. Both keep their ids: they are already in the vocabulary."""
-    control = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, token_types) if k == TOKEN_CONTROL]
-    user = [
-        AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, token_types) if k == TOKEN_USER_DEFINED
-    ]
+    pairs = list(zip(tokens, token_types))
+    control = [AddedToken(t, special=True, normalized=False) for t, k in pairs if k == TOKEN_CONTROL]
+    user = [AddedToken(t, special=False, normalized=False) for t, k in pairs if k == TOKEN_USER_DEFINED]
     if control:
         backend.add_special_tokens(control)
     if user:

@@ -1,6 +1,7 @@
 """Helpers for tests, benchmarks and demos: tiny models written from scratch (no downloads)."""
 from engine.testing.tiny_models import (
     TINY_CORPUS,
+    TINY_TEST_SHAPE,
     train_tiny_tokenizer,
     write_gguf_from_hf,
     write_hf_model,
@@ -9,6 +10,7 @@ from engine.testing.tiny_models import (
 
 __all__ = [
     "TINY_CORPUS",
+    "TINY_TEST_SHAPE",
     "train_tiny_tokenizer",
     "write_gguf_from_hf",
     "write_hf_model",

@@ -25,6 +25,8 @@ from engine.models.config import RopeScaling
 logger = logging.getLogger(__name__)
 
 BOS_TOKEN, EOS_TOKEN = "<s>", "</s>"
+# Shape of the test suite's tiny models (tests/conftest.py); multiples of 32 so Q8_0 works.
+TINY_TEST_SHAPE: dict[str, int] = dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, vocab_size=512)
 TensorType = Literal["F32", "F16", "Q8_0", "mixed"]
 
 TINY_CORPUS = """\
@@ -338,6 +340,36 @@ def _write_metadata(writer: Any, arch: str, config: dict[str, Any], name: str, t
     writer.add_vocab_size(int(config["vocab_size"]))
 
 
+def _write_tokenizer(writer: Any, folder: Path, config: dict[str, Any]) -> None:
+    tok = _tokenizer_metadata(folder, config)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")  # the tiny tokenizer splits with ByteLevel's GPT-2 regex
+    writer.add_token_list(tok["tokens"])
+    writer.add_token_types(tok["types"])
+    writer.add_token_merges(tok["merges"])
+    writer.add_bos_token_id(int(config["bos_token_id"]))
+    writer.add_eos_token_id(int(config["eos_token_id"]))
+    writer.add_add_bos_token(tok["add_bos"])
+
+
+def _write_rope_freqs(writer: Any, config: dict[str, Any]) -> None:
+    """llama.cpp keeps llama3 rope scaling as a `rope_freqs.weight` tensor, not as metadata."""
+    import gguf
+
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type") != "llama3":
+        return
+    scaling = RopeScaling(
+        factor=float(rope["factor"]),
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+    )
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))
+    factors = llama3_rope_freq_factors(scaling, head_dim=head_dim, rope_theta=float(rope["rope_theta"]))
+    writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors)
+
+
 def write_gguf_from_hf(
     hf_folder: str | Path,
     gguf_path: str | Path,
@@ -369,28 +401,8 @@ def write_gguf_from_hf(
 
     writer = gguf.GGUFWriter(str(gguf_path), arch)
     _write_metadata(writer, arch, config, hf_folder.resolve().name, tensor_type)
-    tok = _tokenizer_metadata(hf_folder, config)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
-    writer.add_token_list(tok["tokens"])
-    writer.add_token_types(tok["types"])
-    writer.add_token_merges(tok["merges"])
-    writer.add_bos_token_id(int(config["bos_token_id"]))
-    writer.add_eos_token_id(int(config["eos_token_id"]))
-    writer.add_add_bos_token(tok["add_bos"])
-
-    rope = config.get("rope_parameters") or {}
-    if rope.get("rope_type") == "llama3":
-        scaling = RopeScaling(
-            factor=float(rope["factor"]),
-            low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-        )
-        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // n_head)
-        factors = llama3_rope_freq_factors(scaling, head_dim=head_dim, rope_theta=float(rope["rope_theta"]))
-        writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors)
-
+    _write_tokenizer(writer, hf_folder, config)
+    _write_rope_freqs(writer, config)
     for hf_name, array in sorted(_load_hf_tensors(hf_folder).items()):
         gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:

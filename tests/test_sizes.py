@@ -1,0 +1,68 @@
+"""Context sizing (spec section 1) and the init lines with llama.cpp's byte counts (section 11)."""
+from __future__ import annotations
+
+import pytest
+
+from engine.context import ContextParams
+from engine.kv.cache import CacheLayout
+from engine.kv.types import cache_type
+
+
+def resolve(**kw):
+    base = dict(n_ctx_train=4096, n_ctx=0, n_batch=2048, n_ubatch=512, n_seq_max=1, kv_unified=False, pad=256,
+                type_k="f16", type_v="f16", flash_attn="auto", swa_full=False)
+    base.update(kw)
+    return ContextParams.resolve(**base)
+
+
+@pytest.mark.parametrize("kw,n_ctx,n_ctx_seq,n_stream", [
+    (dict(n_ctx=1000), 1024, 1024, 1),  # rounded up to 256
+    (dict(n_ctx=0), 4096, 4096, 1),  # 0 = n_ctx_train
+    (dict(n_ctx=2048, n_seq_max=3), 2304, 768, 3),  # PAD256(2048 / 3) = 768 per stream
+    (dict(n_ctx=2048, n_seq_max=3, kv_unified=True), 2048, 2048, 1),
+    (dict(n_ctx=100, n_seq_max=2, pad=8), 112, 56, 2),  # 104 // 2 = 52 -> 56 per stream
+    (dict(n_ctx=0, n_seq_max=0), 4096, 4096, 1),  # n_seq_max = max(1, .)
+])
+def test_context_sizes(kw, n_ctx, n_ctx_seq, n_stream):
+    p = resolve(**kw)
+    assert (p.n_ctx, p.n_ctx_seq, p.n_stream) == (n_ctx, n_ctx_seq, n_stream)
+
+
+def test_batch_sizes_are_clamped():
+    p = resolve(n_ctx=512, n_batch=2048, n_ubatch=4096)
+    assert (p.n_batch, p.n_ubatch) == (512, 512)
+    p = resolve(n_ctx=4096, n_batch=1024, n_ubatch=0)
+    assert (p.n_batch, p.n_ubatch) == (1024, 1024)
+
+
+@pytest.mark.parametrize("flash_attn,v_trans", [("auto", False), ("on", False), ("off", True)])
+def test_flash_attn_decides_the_v_layout(flash_attn, v_trans):
+    assert resolve(flash_attn=flash_attn).v_trans is v_trans
+
+
+def layout(kv_size=4096, n_layer=32, n_head_kv=8, head_dim=128, type_k="f16", type_v="f16", n_stream=1, n_seq_max=1):
+    return CacheLayout(layer_ids=tuple(range(n_layer)), n_embd_k=n_head_kv * head_dim, n_embd_v=n_head_kv * head_dim,
+                       n_head_kv=n_head_kv, head_dim=head_dim, kv_size=kv_size, n_stream=n_stream,
+                       n_seq_max=n_seq_max, type_k=cache_type(type_k), type_v=cache_type(type_v), v_trans=False)
+
+
+def test_spec_example_init_lines():
+    lines = layout().init_log_lines()
+    assert lines == [
+        "llama_kv_cache:        CPU KV buffer size =   512.00 MiB",
+        "llama_kv_cache: size =  512.00 MiB (  4096 cells,  32 layers,  1/1 seqs), K (f16):  256.00 MiB, V (f16):  256.00 MiB",
+    ]
+
+
+def test_f32_and_split_streams_line():
+    lines = layout(kv_size=256, n_layer=4, n_head_kv=2, head_dim=64, type_k="f32", type_v="bf16", n_stream=2,
+                   n_seq_max=2).init_log_lines()
+    # K: 256 cells x 2 streams x 128 values x 4 bytes x 4 layers = 1 MiB; V half of that
+    assert lines[1] == ("llama_kv_cache: size =    1.50 MiB (   256 cells,   4 layers,  2/2 seqs), "
+                        "K (f32):    1.00 MiB, V (bf16):    0.50 MiB")
+
+
+def test_buffer_size_rounds_each_tensor_to_32_bytes():
+    lo = layout(kv_size=3, n_layer=2, n_head_kv=1, head_dim=5, type_k="f16", type_v="f16")
+    assert lo.k_bytes_per_layer() == 30
+    assert lo.buffer_bytes() == 2 * (32 + 32)
