@@ -67,6 +67,22 @@ def run_kvscope(model, prompt: list[int], n_new: int, with_subscriber: bool) -> 
     return (perf.n_p_eval / (perf.t_p_eval_ms / 1e3), perf.n_eval / (perf.t_eval_ms / 1e3), len(recorded))
 
 
+def weight_streaming_floor(model, reps: int = 10) -> float:
+    """Tokens/s if a decode step did nothing but read every weight matrix once (one matvec each):
+    the memory-bandwidth ceiling that any f32 engine on this machine stays under."""
+    tf = model.transformer
+    mats = [tf.lm_head] + [w for layer in tf.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+    xs = {m.shape[1]: torch.randn(1, m.shape[1]) for m in mats}
+    times = []
+    with torch.no_grad():
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for m in mats:
+                torch.nn.functional.linear(xs[m.shape[1]], m)
+            times.append(time.perf_counter() - t0)
+    return 1.0 / statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=3)
@@ -85,19 +101,30 @@ def main() -> None:
     prompt = torch.randint(3, model.n_vocab, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
     rows: dict[str, list[tuple[float, ...]]] = {"transformers": [], "kvscope": [], "kvscope+events": []}
     run_kvscope(model, prompt[:8], 4, False)  # warm-up
+    floors = []
     for rep in range(args.reps):
+        floors.append(weight_streaming_floor(model))
         rows["transformers"].append(run_transformers(hf, prompt, args.new))
         rows["kvscope"].append(run_kvscope(model, prompt, args.new, False)[:2])
         p, d, n_events = run_kvscope(model, prompt, args.new, True)
         rows["kvscope+events"].append((p, d))
         print(f"rep {rep + 1}: " + ", ".join(f"{k} decode {v[-1][1]:.1f} tok/s" for k, v in rows.items()))
+
+    def paired(a: str, b: str, i: int) -> float:
+        """Median over reps of the per-rep ratio a / b (pairs run back to back)."""
+        return statistics.median(x[i] / y[i] for x, y in zip(rows[a], rows[b]))
+
     med = {k: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v)) for k, v in rows.items()}
     print(f"\n{'':16s} {'prompt tok/s':>13s} {'decode tok/s':>13s}")
     for k, (p, d) in med.items():
         print(f"{k:16s} {p:13.1f} {d:13.1f}")
-    print(f"\ndecode speed ratio kvscope / transformers: {med['kvscope'][1] / med['transformers'][1]:.2f}x")
-    print(f"prompt speed ratio kvscope / transformers: {med['kvscope'][0] / med['transformers'][0]:.2f}x")
-    overhead = 1 - med["kvscope+events"][1] / med["kvscope"][1]
+    floor = statistics.median(floors)
+    print(f"{'weights floor':16s} {'':13s} {floor:13.1f}   (one matvec per weight matrix, nothing else)")
+    print(f"\ndecode speed ratio kvscope / transformers: {paired('kvscope', 'transformers', 1):.2f}x")
+    print(f"prompt speed ratio kvscope / transformers: {paired('kvscope', 'transformers', 0):.2f}x")
+    print(f"decode speed as a share of the weights floor: kvscope {med['kvscope'][1] / floor:.0%}, "
+          f"transformers {med['transformers'][1] / floor:.0%}")
+    overhead = 1 - paired("kvscope+events", "kvscope", 1)
     print(f"event overhead (recording subscriber vs none), decode: {overhead * 100:+.2f}% "
           f"({n_events} events per generation)")
 

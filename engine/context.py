@@ -18,6 +18,7 @@ from engine import events as ev
 from engine.batch import Batch, BatchAllocator, UBatch
 from engine.errors import BatchTooLargeError, ContextParamsError, InvalidBatchError
 from engine.kv.cache import CacheLayout, KVCache
+from engine.kv.memory import Memory
 from engine.kv.cells import MAX_SEQ
 from engine.kv.types import cache_type
 from engine.models.model import Model
@@ -110,7 +111,7 @@ class Context:
             n_head_kv=cfg.n_head_kv, head_dim=cfg.head_dim, kv_size=p.n_ctx_seq, n_stream=p.n_stream,
             n_seq_max=p.n_seq_max, type_k=cache_type(p.type_k), type_v=cache_type(p.type_v),
             v_trans=p.v_trans, pad=p.pad)
-        self.memory = KVCache(layout, bus=self.bus, key_shifter=model.transformer.rotary.shift_keys)
+        self.memory: Memory = KVCache(layout, bus=self.bus, key_shifter=model.transformer.rotary.shift_keys)
         self.init_log_lines = self._context_log_lines() + self.memory.init_log_lines()
         for line in self.init_log_lines:
             log.info("%s", line)
@@ -190,25 +191,11 @@ class Context:
         if self.bus.active:
             self.bus.publish(ev.DecodeStarted(n, alloc.n_outputs, alloc.seq_id_unq))
         self.memory.update()
-        ubatches = self._split(alloc)
-        slots = self.memory.prepare(ubatches) if ubatches is not None else None
-        if slots is None:
+        plan = self.memory.init_batch(alloc, self.params.n_ubatch)
+        if plan is None:
             return self._fail(1, f"decode: failed to find a memory slot for batch of size {n}", n, t0)
+        ubatches, slots = plan
         return self._run_ubatches(alloc, ubatches, slots, t0)
-
-    def _split(self, alloc: BatchAllocator) -> list[UBatch] | None:
-        """Simple split for one stream, sequential equal split for several (llama.cpp's choice)."""
-        ubatches = []
-        while not alloc.all_used():
-            if self.memory.n_stream == 1:
-                ub = alloc.split_simple(self.params.n_ubatch)
-            else:
-                ub = alloc.split_equal(self.params.n_ubatch, sequential=True)
-            if ub is None:
-                log.error("decode: the batch could not be split into ubatches (coupled sequences need -kvu)")
-                return None
-            ubatches.append(ub)
-        return ubatches
 
     def _run_ubatches(self, alloc: BatchAllocator, ubatches, slots, t0: float) -> int:
         transformer = self.model.transformer

@@ -11,6 +11,7 @@ it by an EventsDropped record) but never blocks or breaks generation.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from typing import Callable, ClassVar
 import numpy as np
 
 SCHEMA_VERSION = 1
+
+log = logging.getLogger("kvscope.events")
 
 
 def _frozen_array(values, dtype=np.int64) -> np.ndarray:
@@ -233,6 +236,7 @@ class Subscription:
         self._missed_first = -1
         self._missed_last = -1
         self.dropped = 0  # total events this watcher never received
+        self.callback_errors = 0  # exceptions raised by a subscribe_callback watcher
         self.closed = False
 
     def _offer(self, event: Event) -> None:
@@ -313,8 +317,13 @@ class EventBus:
         def pump() -> None:
             while not sub.closed:
                 event = sub.get(timeout=0.2)
-                if event is not None:
+                if event is None:
+                    continue
+                try:
                     callback(event)
+                except Exception:  # a broken watcher must not stop its own pump, nor the engine
+                    sub.callback_errors += 1
+                    log.exception("event callback failed on %s #%d", event.kind, event.seq_no)
 
         threading.Thread(target=pump, name="kvscope-event-pump", daemon=True).start()
         return sub

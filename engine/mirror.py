@@ -62,6 +62,7 @@ class CacheMirror:
         self.stale = False
         self.stats = MirrorStats()
         self._lock = threading.Lock()
+        self._subscription: ev.Subscription | None = None
 
     def attach(self, bus: ev.EventBus, maxsize: int = 1 << 20) -> ev.Subscription:
         """Subscribe to a bus; call sync() to apply what arrived."""
@@ -70,6 +71,8 @@ class CacheMirror:
 
     def sync(self) -> int:
         """Apply every queued event of the attached subscription; returns how many."""
+        if self._subscription is None:
+            raise RuntimeError("the mirror is not attached: call mirror.attach(bus) first")
         events = self._subscription.drain()
         for event in events:
             self.apply(event)

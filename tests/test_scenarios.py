@@ -567,7 +567,7 @@ def test_seq_add_with_nothing_in_range_resets_the_head_but_sets_no_shift(model):
     assert not any(isinstance(e, ev.KShiftApplied) for e in run.events)
 
 
-def test_swa_purge_does_not_pull_the_head_back(model):
+def test_swa_purge_does_not_pull_the_head_back():
     """apply_ubatch sets head = last slot cell + 1 AFTER the SWA purge (llama.cpp), so a cell the purge
     frees below the slot does not steer the next ubatch's find_slot. Driven on a bare SWA KVCache."""
     from engine.batch import BatchAllocator

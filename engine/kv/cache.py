@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from engine import events as ev
-from engine.batch import UBatch
+from engine.batch import BatchAllocator, UBatch
 from engine.errors import MemoryOperationError
 from engine.kv.cells import MAX_SEQ, KVCells
 from engine.kv.swa import SwaType, is_masked_swa
@@ -98,7 +98,8 @@ class KVCache:
     """One llama.cpp KV cache: `n_stream` streams of `kv_size` cells over a set of model layers."""
 
     def __init__(self, layout: CacheLayout, *, bus: ev.EventBus, key_shifter: KeyShifter,
-                 name: str = "kv", device: torch.device | str = "cpu") -> None:
+                 name: str = "kv", layer_devices: Sequence[torch.device | str] | None = None) -> None:
+        """layer_devices: where each cache layer's K and V live (default: all on the CPU)."""
         self.layout = layout
         self.name = name
         self.bus = bus
@@ -113,8 +114,11 @@ class KVCache:
         shape_k = (layout.n_stream, layout.kv_size, layout.n_embd_k)
         shape_v = ((layout.n_stream, layout.n_embd_v, layout.kv_size) if layout.v_trans
                    else (layout.n_stream, layout.kv_size, layout.n_embd_v))
-        self.k = [torch.zeros(shape_k, dtype=layout.type_k.torch_dtype, device=device) for _ in layout.layer_ids]
-        self.v = [torch.zeros(shape_v, dtype=layout.type_v.torch_dtype, device=device) for _ in layout.layer_ids]
+        devices = list(layer_devices) if layer_devices is not None else ["cpu"] * len(layout.layer_ids)
+        if len(devices) != len(layout.layer_ids):
+            raise ValueError(f"{len(devices)} layer devices for {len(layout.layer_ids)} cache layers")
+        self.k = [torch.zeros(shape_k, dtype=layout.type_k.torch_dtype, device=d) for d in devices]
+        self.v = [torch.zeros(shape_v, dtype=layout.type_v.torch_dtype, device=d) for d in devices]
 
     # ---- sizes and log lines -------------------------------------------------------------
     def k_bytes(self) -> int:
@@ -225,12 +229,7 @@ class KVCache:
                 f"(use p0 = -1, p1 = -1); the whole stream {s_src} is copied to stream {s_dst}")
         src_cells, dst_cells = self.v_cells[s_src], self.v_cells[s_dst]
         dst_cells.clear()
-        idxs = np.flatnonzero(src_cells.seq[src])
-        dst_cells.pos_set(idxs, src_cells.pos[idxs] - src_cells.shift[idxs])
-        dst_cells.seq_add(idxs, dst)
-        shifted = idxs[src_cells.shift[idxs] != 0]
-        for delta in np.unique(src_cells.shift[shifted]):
-            dst_cells.pos_add(shifted[src_cells.shift[shifted] == delta], int(delta))
+        dst_cells.copy_cells(src_cells, np.flatnonzero(src_cells.seq[src]), dst)
         self.v_heads[s_dst] = self.v_heads[s_src]
         self.pending_copies.append((s_src, s_dst))
         self._publish(ev.CellsCopied, [self._stream_cells(s_dst, np.arange(self.size))], src_seq=src,
@@ -389,6 +388,29 @@ class KVCache:
             max_rm[key] = max(max_rm.get(key, -1), int(pos))
         cells.rm(taken)
 
+    def split_batch(self, alloc: BatchAllocator, n_ubatch: int) -> list[UBatch] | None:
+        """Simple split for one stream, sequential equal split for several (llama.cpp's choice)."""
+        alloc.split_reset()
+        ubatches = []
+        while not alloc.all_used():
+            if self.n_stream == 1:
+                ub = alloc.split_simple(n_ubatch)
+            else:
+                ub = alloc.split_equal(n_ubatch, sequential=True)
+            if ub is None:
+                log.error("split_equal: sequential split is not supported when there are coupled sequences in "
+                          "the input batch (you may need to use the -kvu flag)")
+                return None
+            ubatches.append(ub)
+        return ubatches
+
+    def init_batch(self, alloc: BatchAllocator, n_ubatch: int) -> tuple[list[UBatch], list[SlotInfo]] | None:
+        """Split the batch and dry-run its placement: the ubatches and their slots, or None (decode
+        returns 1)."""
+        ubatches = self.split_batch(alloc, n_ubatch)
+        slots = self.prepare(ubatches) if ubatches is not None else None
+        return None if slots is None else (ubatches, slots)
+
     def prepare(self, ubatches: list[UBatch]) -> list[SlotInfo] | None:
         """Dry run: place every ubatch in turn, then restore. Returns the slots, or None if one fails."""
         saved, slots = [], []
@@ -519,20 +541,23 @@ class UbatchAttention:
         cache = self.cache
         i = cache.layer_index[il]
         kc, vc = cache.k[i], cache.v[i]
-        kc[self._token_stream, self._token_cell] = k.to(kc.dtype)
+        streams, cells_idx = self._token_stream, self._token_cell
+        if kc.device != k.device:  # this layer's cache lives on another device than the activations
+            streams, cells_idx = streams.to(kc.device), cells_idx.to(kc.device)
+        kc[streams, cells_idx] = k.to(kc.device, kc.dtype)
         lo = cache.layout
         n_kv = self.n_kv
         keys = kc[self._stream_slice, :n_kv]
-        keys = keys.view(self.n_groups, n_kv, lo.n_head_kv, lo.head_dim).transpose(1, 2).to(dtype)
+        keys = keys.view(self.n_groups, n_kv, lo.n_head_kv, lo.head_dim).transpose(1, 2)
         if lo.v_trans:
-            vc[self._token_stream, :, self._token_cell] = v.to(vc.dtype)
+            vc[streams, :, cells_idx] = v.to(vc.device, vc.dtype)
             values = vc[self._stream_slice, :, :n_kv]
-            values = values.reshape(self.n_groups, lo.n_head_kv, lo.head_dim, n_kv).transpose(-1, -2).to(dtype)
+            values = values.reshape(self.n_groups, lo.n_head_kv, lo.head_dim, n_kv).transpose(-1, -2)
         else:
-            vc[self._token_stream, self._token_cell] = v.to(vc.dtype)
+            vc[streams, cells_idx] = v.to(vc.device, vc.dtype)
             values = vc[self._stream_slice, :n_kv]
-            values = values.view(self.n_groups, n_kv, lo.n_head_kv, lo.head_dim).transpose(1, 2).to(dtype)
-        return keys, values
+            values = values.view(self.n_groups, n_kv, lo.n_head_kv, lo.head_dim).transpose(1, 2)
+        return keys.to(k.device, dtype), values.to(k.device, dtype)
 
 
 def _range(p0: int, p1: int) -> tuple[int, int]:

@@ -147,6 +147,16 @@ class KVCells:
         self.seq[:] = False
         self.has_shift = False
 
+    def copy_cells(self, other: "KVCells", idxs: np.ndarray, seq_id: int) -> None:
+        """Cells take other's position and pending shift at the same indices, holding only seq_id.
+        Call only on empty cells. (llama.cpp sets pos - shift and re-applies the shift; doing it in
+        one step keeps a divided cell, whose pos - shift can be negative, from passing through -1.)"""
+        assert np.all(self.pos[idxs] == -1), "copy_cells into a non-empty cell"
+        self.pos[idxs] = other.pos[idxs]
+        self.shift[idxs] = other.shift[idxs]
+        self.seq[seq_id, idxs] = True
+        self.has_shift |= bool(np.any(other.shift[idxs] != 0))
+
     # ---- dry-run support -----------------------------------------------------------------
     def snapshot(self, idxs: np.ndarray) -> CellsSnapshot:
         idxs = np.asarray(idxs, dtype=np.int64)

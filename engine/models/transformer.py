@@ -29,17 +29,14 @@ class DecodeAborted(Exception):
 
 @dataclass
 class LayerWeights:
+    """One block's weights. Q, K and V are one matrix, gate and up another: one matmul each."""
+
     attn_norm: torch.Tensor
-    wq: torch.Tensor
-    wk: torch.Tensor
-    wv: torch.Tensor
+    wqkv: torch.Tensor  # [(n_head + 2 n_head_kv) * head_dim, n_embd]
+    bqkv: torch.Tensor | None
     wo: torch.Tensor
-    bq: torch.Tensor | None
-    bk: torch.Tensor | None
-    bv: torch.Tensor | None
     ffn_norm: torch.Tensor
-    w_gate: torch.Tensor
-    w_up: torch.Tensor
+    w_gate_up: torch.Tensor  # [2 n_ff, n_embd]
     w_down: torch.Tensor
 
 
@@ -60,25 +57,24 @@ class Transformer:
         def w(name: str) -> torch.Tensor:
             return tensors[name].to(dtype).contiguous()
 
-        def opt(name: str) -> torch.Tensor | None:
-            return w(name) if name in tensors else None
-
         self.tok_embd = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
         self.lm_head = self.tok_embd if config.tie_word_embeddings else w("lm_head.weight")
         self.layers = []
         for i in range(config.n_layer):
-            p = f"model.layers.{i}."
+            p = f"model.layers.{i}.self_attn."
+            m = f"model.layers.{i}.mlp."
+            biases = [tensors.get(p + f"{x}_proj.bias") for x in "qkv"]
             self.layers.append(LayerWeights(
-                attn_norm=w(p + "input_layernorm.weight"),
-                wq=w(p + "self_attn.q_proj.weight"), wk=w(p + "self_attn.k_proj.weight"),
-                wv=w(p + "self_attn.v_proj.weight"), wo=w(p + "self_attn.o_proj.weight"),
-                bq=opt(p + "self_attn.q_proj.bias"), bk=opt(p + "self_attn.k_proj.bias"),
-                bv=opt(p + "self_attn.v_proj.bias"),
-                ffn_norm=w(p + "post_attention_layernorm.weight"),
-                w_gate=w(p + "mlp.gate_proj.weight"), w_up=w(p + "mlp.up_proj.weight"),
-                w_down=w(p + "mlp.down_proj.weight"),
+                attn_norm=w(f"model.layers.{i}.input_layernorm.weight"),
+                wqkv=torch.cat([tensors[p + f"{x}_proj.weight"] for x in "qkv"]).to(dtype).contiguous(),
+                bqkv=None if biases[0] is None else torch.cat(biases).to(dtype),
+                wo=w(p + "o_proj.weight"),
+                ffn_norm=w(f"model.layers.{i}.post_attention_layernorm.weight"),
+                w_gate_up=torch.cat([tensors[m + "gate_proj.weight"], tensors[m + "up_proj.weight"]]).to(dtype).contiguous(),
+                w_down=w(m + "down_proj.weight"),
             ))
+        self._qkv_split = (config.n_head * config.head_dim, config.n_embd_k_gqa, config.n_embd_v_gqa)
 
     def n_params(self) -> int:
         tensors = [self.tok_embd, self.norm] + ([] if self.lm_head is self.tok_embd else [self.lm_head])
@@ -100,9 +96,9 @@ class Transformer:
             if should_abort is not None and should_abort():
                 raise DecodeAborted(f"aborted before layer {il}")
             h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-            q = F.linear(h, layer.wq, layer.bq).view(T, cfg.n_head, cfg.head_dim)
-            k = F.linear(h, layer.wk, layer.bk).view(T, cfg.n_head_kv, cfg.head_dim)
-            v = F.linear(h, layer.wv, layer.bv)  # [T, n_embd_v_gqa]
+            q, k, v = F.linear(h, layer.wqkv, layer.bqkv).split(self._qkv_split, dim=-1)
+            q = q.view(T, cfg.n_head, cfg.head_dim)
+            k = k.view(T, cfg.n_head_kv, cfg.head_dim)
             q = Rotary.apply(q, cos, sin)
             k = Rotary.apply(k, cos, sin)
             keys, values = attn.store_and_load(il, k.reshape(T, -1), v, self.dtype)  # [G, Hkv, n_kv, D]
@@ -110,6 +106,7 @@ class Transformer:
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn.mask, enable_gqa=True)
             x = x + F.linear(o.transpose(1, 2).reshape(T, cfg.n_head * cfg.head_dim), layer.wo)
             h = rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
-            x = x + F.linear(F.silu(F.linear(h, layer.w_gate)) * F.linear(h, layer.w_up), layer.w_down)
+            gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.w_down)
         x = rms_norm(x[output_rows], self.norm, cfg.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
