@@ -251,12 +251,8 @@ class Subscription:
                 self._missed_last = event.seq_no
                 return
             if self._missed:
-                if len(self._queue) + 1 >= self._maxsize:
-                    # No room for the notice and the event: the event is missed too.
-                    self.dropped += 1
-                    self._missed += 1
-                    self._missed_last = event.seq_no
-                    return
+                # The notice rides in one slot beyond maxsize, so that even a queue of one gets it
+                # together with the event that follows the gap.
                 notice = EventsDropped(self._missed, self._missed_first, self._missed_last)
                 object.__setattr__(notice, "seq_no", event.seq_no)
                 object.__setattr__(notice, "time", event.time)

@@ -211,29 +211,43 @@ class RefCache:
         idxs = [(h + k) % self.size for k in range(self.size) if c.pos[(h + k) % self.size] < 0]
         return idxs[:n] if len(idxs) >= n else None
 
-    def decode(self, toks, n_ubatch: int) -> int:
-        """toks: list of (pos, tuple of seq ids), a valid batch. Returns 0 or 1 (§10)."""
+    def place(self, ub) -> bool:
+        """find_slot for every stream group of the ubatch, then apply; False when a group does not fit."""
+        if self.n_stream == 1:
+            groups = [(self.streams[0], ub)]
+        else:
+            groups = [(self.streams[s], [t for t in ub if t[1][0] == s]) for s in sorted({t[1][0] for t in ub})]
+        slots = [self.find_slot(c, len(g)) for c, g in groups]
+        if any(sl is None for sl in slots):
+            return False
+        for (c, g), sl in zip(groups, slots):
+            for i, (p, ids) in zip(sl, g):
+                c.pos[i], c.seq[i] = p, set(ids)
+            c.head = sl[-1] + 1
+        return True
+
+    def decode(self, toks, n_ubatch: int, abort_ubatch: int | None = None) -> int:
+        """toks: list of (pos, tuple of seq ids), a valid batch. Returns 0, 1, or 2 when the forward
+        pass of ubatch number `abort_ubatch` is aborted (§10)."""
         self.update()
         ubs = (self.split_simple(toks, n_ubatch) if self.n_stream == 1
                else self.split_equal_sequential(toks, n_ubatch))
         if ubs is None:
             return 1
         trial = copy.deepcopy(self)  # prepare: every ubatch must find a slot, else nothing changes
-        for ub in ubs:
-            if self.n_stream == 1:
-                groups = [(trial.streams[0], ub)]
-            else:
-                groups = [(trial.streams[s], [t for t in ub if t[1][0] == s])
-                          for s in sorted({t[1][0] for t in ub})]
-            slots = [trial.find_slot(c, len(g)) for c, g in groups]
-            if any(sl is None for sl in slots):
-                return 1
-            for (c, g), sl in zip(groups, slots):
-                for i, (p, ids) in zip(sl, g):
-                    c.pos[i], c.seq[i] = p, set(ids)
-                c.head = sl[-1] + 1
-        self.streams = trial.streams
-        return 0
+        if not all(trial.place(ub) for ub in ubs):
+            return 1
+        if abort_ubatch is None or abort_ubatch >= len(ubs):
+            self.streams = trial.streams
+            return 0
+        for ub in ubs[:abort_ubatch + 1]:  # the failing ubatch was applied, then each of its seqs
+            self.place(ub)                 # loses [its smallest pos in that ubatch, +inf)
+        p_min: dict[int, int] = {}
+        for p, ids in ubs[abort_ubatch]:  # llama.cpp keys this by each token's FIRST seq id only
+            p_min[ids[0]] = min(p_min.get(ids[0], p), p)
+        for q, p in sorted(p_min.items()):
+            self.seq_rm(q, p, -1)
+        return 2
 
 
 # ---- helpers -----------------------------------------------------------------------------------
@@ -317,8 +331,9 @@ class CacheMachine(RuleBasedStateMachine):
 
     # -- strategies that depend on the state
     def _p(self, data, label):
-        top = max([p for c in self.ref.streams for p in c.pos] + [8])
-        return data.draw(st.one_of(st.just(-1), st.integers(-2, top + 2)), label=label)
+        known = sorted({p for c in self.ref.streams for p in c.pos if p >= 0}) or [0]
+        return data.draw(st.one_of(st.just(-1), st.sampled_from(known), st.integers(-2, known[-1] + 2)),
+                         label=label)
 
     def _seq(self, data, label):
         return data.draw(st.sampled_from(self.op_seqs), label=label)
@@ -367,17 +382,27 @@ class CacheMachine(RuleBasedStateMachine):
             nxt[g] += 1
         explicit_pos = data.draw(st.booleans(), label="explicit pos")
         pre_update = data.draw(st.booleans(), label="update first")
+        # sometimes abort the forward pass of one ubatch (each ubatch asks once per layer)
+        abort_ub = data.draw(st.one_of(st.none(), st.integers(0, 3)), label="abort ubatch")
         if pre_update:
             self.ctx.memory.update()
             self.ref.update()
-        before_cells, before_heads, _ = engine_state(self.ctx)
+        before_cells, before_heads, before_shift = engine_state(self.ctx)
+        if any(before_shift):  # decode starts with the K-shift, which only zeroes the shifts
+            before_cells = [[(p, seqs, 0) for p, seqs, _ in cells] for cells in before_cells]
         before_m = memberships(self.ctx)
-        expected = self.ref.decode(toks, self.cfg["n_ubatch"])
-        rc = self.ctx.decode(batch_of(toks, explicit_pos))
+        expected = self.ref.decode(toks, self.cfg["n_ubatch"], abort_ub)
+        calls = iter(range(10 ** 6))
+        n_layer = MODEL.config.n_layer
+        self.ctx.abort_callback = None if abort_ub is None else (lambda: next(calls) == abort_ub * n_layer)
+        try:
+            rc = self.ctx.decode(batch_of(toks, explicit_pos))
+        finally:
+            self.ctx.abort_callback = None
         assert rc == expected, f"decode rc {rc}, reference {expected}: {toks}"
         after_cells, after_heads, _ = engine_state(self.ctx)
-        if rc == 1 and pre_update:
-            assert (after_cells, after_heads) == (before_cells, before_heads), "rc 1 must leave the cache as it was"
+        if rc == 1:
+            assert (after_cells, after_heads) == (before_cells, before_heads), "rc 1 must change nothing"
         if rc == 0:
             st_ = self.ctx.memory.seq_to_stream
             added = Counter((st_(q), q, p) for p, ids in toks for q in ids)
@@ -425,8 +450,13 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def seq_add(self, data):
-        d = data.draw(st.integers(-4, 4), label="delta")
-        self._expect("seq_add", self._seq(data, "seq"), self._p(data, "p0"), self._p(data, "p1"), d)
+        s = self._seq(data, "seq")
+        p0, p1 = self._p(data, "p0"), self._p(data, "p1")
+        # often drop the seq's first position below 0: the head then jumps to the freed cell, which
+        # is how slots come to wrap and the restart heuristic of find_slot fires
+        drop_front = -(self.ref.pos_min(s) + 1) if self.ref.pos_min(s) >= 0 and p0 <= 0 else 0
+        d = data.draw(st.one_of(st.integers(-6, 4), st.just(drop_front)), label="delta")
+        self._expect("seq_add", s, p0, p1, d)
 
     @rule(data=st.data())
     def seq_div(self, data):
@@ -455,7 +485,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert engine_state(self.ctx) == ref_state(self.ref), "engine and reference disagree"
 
 
-CacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=25, deadline=None,
+CacheMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=30, deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow,
                                                                  HealthCheck.filter_too_much])
 TestCacheMachine = CacheMachine.TestCase
@@ -481,7 +511,10 @@ def _seq(s, p0, p1):
 
 
 def _cells(ref_or_ctx, stream=0):
-    cells = ref_or_ctx.streams[stream].cells() if isinstance(ref_or_ctx, RefCache) else ref_or_ctx.memory.cells(stream)
+    if isinstance(ref_or_ctx, RefCache):
+        cells = ref_or_ctx.streams[stream].cells()
+    else:
+        cells = ref_or_ctx.memory.cells(stream)
     return {i: (p, set(s), sh) for i, (p, s, sh) in enumerate(cells) if p >= 0}
 
 
@@ -583,6 +616,40 @@ def test_s11_split_streams():
     assert _decode_both(ctx, ref, _seq(1, 0, 4)) == 0
 
 
+def test_s15_abort_in_second_ubatch():
+    ctx, _, ref = _both(8, n_ubatch=2)
+    calls = iter(range(100))
+    ctx.abort_callback = lambda: next(calls) == MODEL.config.n_layer  # first layer of ubatch 2
+    assert ctx.decode(batch_of(_seq(0, 0, 4))) == ref.decode(_seq(0, 0, 4), 2, abort_ubatch=1) == 2
+    assert engine_state(ctx) == ref_state(ref)
+    assert _cells(ref) == {0: (0, {0}, 0), 1: (1, {0}, 0)} and ref.streams[0].head == 2
+
+
+def test_slot_wraps_after_seq_add_frees_a_cell():
+    """seq_add puts the head on the first freed cell; the next slot scans from there and wraps."""
+    ctx, _, ref = _both(8)
+    _decode_both(ctx, ref, _seq(0, 0, 4) + _seq(1, 0, 4))
+    for x in (ctx.memory, ref):
+        x.seq_rm(0, -1, -1)
+        x.seq_add(1, -1, -1, -1)  # seq 1 pos 0 (cell 4) drops below 0 -> head 4
+    assert ref.streams[0].head == 4 and engine_state(ctx) == ref_state(ref)
+    _decode_both(ctx, ref, _seq(1, 3, 5))
+    assert _cells(ref)[4] == (3, {1}, 0) and _cells(ref)[0] == (4, {1}, 0) and ref.streams[0].head == 1
+
+
+@pytest.mark.parametrize("n, cell", [(1, 0), (4, 8)])
+def test_find_slot_restart_heuristic(n, cell):
+    """§5 step 2: head > used + 2n restarts the scan at 0."""
+    ctx, _, ref = _both(16)
+    _decode_both(ctx, ref, _seq(0, 0, 8) + _seq(1, 0, 8))
+    for x in (ctx.memory, ref):
+        x.seq_rm(0, -1, -1)
+        x.seq_add(1, -1, -1, -7)  # frees cells 8-14, head 8; used 1
+    assert ref.streams[0].head == 8 and ref.streams[0].used() == 1
+    _decode_both(ctx, ref, _seq(1, 1, 1 + n))
+    assert _cells(ref)[cell] == (1, {1}, 0)
+
+
 def test_split_equal_holds_n_ubatch_plus_one_seqs():
     """§18: with split streams one ubatch holds up to n_ubatch + 1 seqs, one token each."""
     assert RefCache.split_equal_sequential([(0, (0,)), (0, (1,)), (0, (2,))], 2) == [
@@ -591,7 +658,7 @@ def test_split_equal_holds_n_ubatch_plus_one_seqs():
     assert _decode_both(ctx, ref, [(0, (0,)), (0, (1,)), (0, (2,)), (1, (0,))], 2) == 0
 
 
-# ---- regressions: engine bugs found by the machine (fail until engine/kv/cache.py is fixed) -------
+# ---- regressions: engine bugs this machine found (all fixed in the engine since) ---------------------
 
 
 def _prefill(n=3, **kw):
@@ -602,9 +669,9 @@ def _prefill(n=3, **kw):
 
 
 def test_seq_add_whole_range_minus1_minus1_shifts_the_seq():
-    """BUG engine/kv/cache.py KVCache.seq_add: `p0 == p1` is tested before p0 < 0 -> 0 and p1 < 0 -> +inf
-    (spec §6 "Common", llama.cpp normalizes first), so seq_add(s, -1, -1, d) - shift the whole
-    sequence - is silently a no-op."""
+    """Regression, engine/kv/cache.py KVCache.seq_add: `p0 == p1` was tested before p0 < 0 -> 0 and
+    p1 < 0 -> +inf (spec §6 "Common"; llama.cpp normalizes first), so seq_add(s, -1, -1, d), which
+    shifts the whole sequence, was silently a no-op."""
     ctx, ref = _prefill()
     ctx.memory.seq_add(0, -1, -1, 2)
     ref.seq_add(0, -1, -1, 2)
@@ -613,7 +680,7 @@ def test_seq_add_whole_range_minus1_minus1_shifts_the_seq():
 
 
 def test_seq_div_whole_range_minus1_minus1_divides_the_seq():
-    """BUG engine/kv/cache.py KVCache.seq_div: same early `p0 == p1` test on un-normalized values."""
+    """Regression, engine/kv/cache.py KVCache.seq_div: the same early `p0 == p1` test on raw values."""
     ctx, ref = _prefill(4)
     ctx.memory.seq_div(0, -1, -1, 2)
     ref.seq_div(0, -1, -1, 2)
@@ -622,16 +689,16 @@ def test_seq_div_whole_range_minus1_minus1_divides_the_seq():
 
 
 def test_seq_add_empty_normalized_range_keeps_head():
-    """BUG engine/kv/cache.py KVCache.seq_add: seq_add(s, -1, 0, d) is [0, 0) after normalization, an
-    early return in llama.cpp that leaves the head alone; the engine resets the head to 0."""
+    """Regression, engine/kv/cache.py KVCache.seq_add: seq_add(s, -1, 0, d) is [0, 0) once normalized, an
+    early return in llama.cpp that leaves the head alone; the engine reset the head to 0."""
     ctx, ref = _prefill()
     ctx.memory.seq_add(0, -1, 0, 2)
     assert ctx.memory.head(0) == 3
 
 
 def test_seq_add_matching_no_cell_sets_no_pending_shift():
-    """BUG engine/kv/cells.py KVCells.pos_add / pos_div (called by KVCache.seq_add/seq_div with an
-    empty index array) set has_shift although no cell moved. Spec §2: has_shift becomes true through
+    """Regression, engine/kv/cells.py KVCells.pos_add / pos_div (called by KVCache.seq_add/seq_div with
+    an empty index array) set has_shift although no cell moved. Spec §2: has_shift becomes true through
     a pos_add/pos_div of a cell; §7: nothing to do -> no update, so no K-shift at the next decode."""
     ctx, ref = _prefill()
     ctx.memory.seq_add(0, 100, -1, 1)  # nothing in range; head still goes to 0 (S12)
@@ -643,10 +710,10 @@ def test_seq_add_matching_no_cell_sets_no_pending_shift():
 
 
 def test_cross_stream_seq_cp_after_seq_div():
-    """BUG engine/kv/cache.py KVCache._seq_cp_across_streams: after seq_div the un-shifted position
-    pos - shift can be negative (pos 1 / 2 -> pos 0, shift +1 -> -1). pos_set then writes -1 and
-    KVCells.seq_add raises a bare AssertionError after the destination stream was already cleared,
-    leaving a cell with a position and no seq (check_invariants fails) and the mirror unaware.
+    """Regression, engine/kv/cache.py KVCache._seq_cp_across_streams: after seq_div the un-shifted
+    position pos - shift can be negative (pos 1 / 2 -> pos 0, shift +1 -> -1). pos_set wrote -1, then
+    KVCells.seq_add raised a bare AssertionError after the destination stream was already cleared,
+    leaving a cell with a position and no seq (check_invariants failed) and the mirror unaware.
     Spec §6: dst gets src's un-shifted position, then the same shift re-applied, so pos/shift match."""
     ctx, ref = _prefill(2, unified=False)
     ctx.memory.seq_div(0, 0, 100, 2)

@@ -294,8 +294,7 @@ class KVCache:
             cells.clear()
             self.v_heads[s] = 0
             changes.append(self._stream_cells(s, idxs))
-        self.pending_copies.clear()
-        if data:
+        if data:  # queued stream copies stay queued, as in llama.cpp
             for t in self.k + self.v:
                 t.zero_()
         self._publish(ev.CellsRemoved, changes, reason="clear")
@@ -494,7 +493,9 @@ class KVCache:
                               self.v_heads[stream])
 
     def _publish(self, kind: type, changes: list, **fields) -> None:
-        if self.bus.active:
+        # A change is None when it was built while nobody listened; a watcher that subscribed in
+        # the middle of this operation misses it and resyncs from a snapshot (publish_state).
+        if self.bus.active and all(c is not None for c in changes):
             self.bus.publish(kind(cache=self.name, changes=tuple(changes), **fields))
 
     def publish_snapshot(self) -> None:
