@@ -68,17 +68,18 @@ def run_kvscope(model, prompt: list[int], n_new: int, with_subscriber: bool) -> 
 
 
 def weight_streaming_floor(model, reps: int = 10) -> float:
-    """Tokens/s if a decode step did nothing but read every weight matrix once (one matvec each):
-    the memory-bandwidth ceiling that any f32 engine on this machine stays under."""
+    """Tokens/s if a decode step did nothing but read every weight matrix once (one vector-matrix
+    product each, in the engine's input-major layout):
+    about the memory-bandwidth ceiling of any f32 engine on this machine."""
     tf = model.transformer
-    mats = [tf.lm_head] + [w for layer in tf.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
-    xs = {m.shape[1]: torch.randn(1, m.shape[1]) for m in mats}
+    mats = [tf.lm_head_t] + [w for layer in tf.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+    xs = {m.shape[0]: torch.randn(1, m.shape[0]) for m in mats}
     times = []
     with torch.no_grad():
         for _ in range(reps):
             t0 = time.perf_counter()
             for m in mats:
-                torch.nn.functional.linear(xs[m.shape[1]], m)
+                xs[m.shape[0]] @ m
             times.append(time.perf_counter() - t0)
     return 1.0 / statistics.median(times)
 

@@ -32,12 +32,23 @@ class LayerWeights:
     """One block's weights. Q, K and V are one matrix, gate and up another: one matmul each."""
 
     attn_norm: torch.Tensor
-    wqkv: torch.Tensor  # [(n_head + 2 n_head_kv) * head_dim, n_embd]
+    wqkv: torch.Tensor  # [n_embd, (n_head + 2 n_head_kv) * head_dim], input-major
     bqkv: torch.Tensor | None
-    wo: torch.Tensor
+    wo: torch.Tensor  # [n_head * head_dim, n_embd]
     ffn_norm: torch.Tensor
-    w_gate_up: torch.Tensor  # [2 n_ff, n_embd]
-    w_down: torch.Tensor
+    w_gate_up: torch.Tensor  # [n_embd, 2 n_ff]
+    w_down: torch.Tensor  # [n_ff, n_embd]
+
+
+def input_major(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[out, in] (the files' layout) -> contiguous [in, out]. x @ W in this layout streams the
+    weights about 10% faster on CPU than F.linear on [out, in], and decode is bandwidth-bound."""
+    return weight.t().to(dtype).contiguous()
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight (+ bias) for an input-major weight."""
+    return x @ weight if bias is None else torch.addmm(bias, x, weight)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -59,7 +70,8 @@ class Transformer:
 
         self.tok_embd = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
-        self.lm_head = self.tok_embd if config.tie_word_embeddings else w("lm_head.weight")
+        # Tied embeddings stay [n_vocab, n_embd] and go through F.linear rather than being copied.
+        self.lm_head_t = None if config.tie_word_embeddings else input_major(tensors["lm_head.weight"], dtype)
         self.layers = []
         for i in range(config.n_layer):
             p = f"model.layers.{i}.self_attn."
@@ -67,17 +79,18 @@ class Transformer:
             biases = [tensors.get(p + f"{x}_proj.bias") for x in "qkv"]
             self.layers.append(LayerWeights(
                 attn_norm=w(f"model.layers.{i}.input_layernorm.weight"),
-                wqkv=torch.cat([tensors[p + f"{x}_proj.weight"] for x in "qkv"]).to(dtype).contiguous(),
+                wqkv=input_major(torch.cat([tensors[p + f"{x}_proj.weight"] for x in "qkv"]), dtype),
                 bqkv=None if biases[0] is None else torch.cat(biases).to(dtype),
-                wo=w(p + "o_proj.weight"),
+                wo=input_major(tensors[p + "o_proj.weight"], dtype),
                 ffn_norm=w(f"model.layers.{i}.post_attention_layernorm.weight"),
-                w_gate_up=torch.cat([tensors[m + "gate_proj.weight"], tensors[m + "up_proj.weight"]]).to(dtype).contiguous(),
-                w_down=w(m + "down_proj.weight"),
+                w_gate_up=input_major(torch.cat([tensors[m + "gate_proj.weight"], tensors[m + "up_proj.weight"]]),
+                                      dtype),
+                w_down=input_major(tensors[m + "down_proj.weight"], dtype),
             ))
         self._qkv_split = (config.n_head * config.head_dim, config.n_embd_k_gqa, config.n_embd_v_gqa)
 
     def n_params(self) -> int:
-        tensors = [self.tok_embd, self.norm] + ([] if self.lm_head is self.tok_embd else [self.lm_head])
+        tensors = [self.tok_embd, self.norm] + ([] if self.lm_head_t is None else [self.lm_head_t])
         for layer in self.layers:
             tensors += [t for t in vars(layer).values() if t is not None]
         return sum(t.numel() for t in tensors)
@@ -96,7 +109,7 @@ class Transformer:
             if should_abort is not None and should_abort():
                 raise DecodeAborted(f"aborted before layer {il}")
             h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-            q, k, v = F.linear(h, layer.wqkv, layer.bqkv).split(self._qkv_split, dim=-1)
+            q, k, v = project(h, layer.wqkv, layer.bqkv).split(self._qkv_split, dim=-1)
             q = q.view(T, cfg.n_head, cfg.head_dim)
             k = k.view(T, cfg.n_head_kv, cfg.head_dim)
             q = Rotary.apply(q, cos, sin)
@@ -104,9 +117,10 @@ class Transformer:
             keys, values = attn.store_and_load(il, k.reshape(T, -1), v, self.dtype)  # [G, Hkv, n_kv, D]
             q = q.view(G, T // G, cfg.n_head, cfg.head_dim).transpose(1, 2)  # [G, H, T/G, D]
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn.mask, enable_gqa=True)
-            x = x + F.linear(o.transpose(1, 2).reshape(T, cfg.n_head * cfg.head_dim), layer.wo)
+            x = x + project(o.transpose(1, 2).reshape(T, cfg.n_head * cfg.head_dim), layer.wo)
             h = rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.w_down)
+            gate, up = project(h, layer.w_gate_up).chunk(2, dim=-1)
+            x = x + project(F.silu(gate) * up, layer.w_down)
         x = rms_norm(x[output_rows], self.norm, cfg.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        logits = F.linear(x, self.tok_embd) if self.lm_head_t is None else project(x, self.lm_head_t)
+        return logits.float()
