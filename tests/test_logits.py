@@ -138,3 +138,30 @@ def test_f16_cache_stays_close(tiny_llama_hf):
     assert ctx.decode(Batch.for_sequence(toks, 0, 0, all_logits=True)) == 0
     err = (ctx.all_logits() - hf_logits(tiny_llama_hf, toks)).abs().max().item()
     assert 0 < err < 2e-2
+
+
+@pytest.fixture(scope="module")
+def llama3_scaled_hf(tmp_path_factory):
+    """A tiny llama with Llama 3 rope scaling whose window is small enough that most dimension
+    pairs are scaled or smoothed."""
+    from engine.models.config import RopeScaling
+    from engine.testing import write_hf_model
+
+    scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
+    return write_hf_model(tmp_path_factory.mktemp("hf") / "tiny-llama3", "llama", n_layer=2, n_embd=64, n_head=4,
+                          n_head_kv=2, n_ff=128, vocab_size=512, seed=4, rope_scaling=scaling)
+
+
+@pytest.mark.parametrize("as_gguf", [False, True])
+def test_llama3_rope_scaling_matches_transformers(llama3_scaled_hf, tmp_path, as_gguf):
+    """HF folders carry the scaling in config.json; GGUF files as rope_freqs divisors."""
+    from engine.testing import write_gguf_from_hf
+
+    path = write_gguf_from_hf(llama3_scaled_hf, tmp_path / "l3.gguf") if as_gguf else llama3_scaled_hf
+    model = engine.load_model(path)
+    assert (model.config.rope_scaling is not None) or ("rope_freqs" in model.config.extra)
+    toks = torch.randint(3, model.n_vocab, (40,), generator=torch.Generator().manual_seed(9)).tolist()
+    ctx = engine.Context(model, n_ctx=64, pad=32, type_k="f32", type_v="f32")
+    assert ctx.decode(Batch.for_sequence(toks, 0, 0, all_logits=True)) == 0
+    err = (ctx.all_logits() - hf_logits(llama3_scaled_hf, toks)).abs().max().item()
+    assert err < TOL, f"llama3 rope scaling: max |engine - transformers| = {err}"

@@ -178,13 +178,11 @@ class KVCache:
         streams = range(self.n_stream) if seq_id == -1 else [self.seq_to_stream(seq_id)]
         for s in streams:
             cells = self.v_cells[s]
-            in_range = (cells.pos >= lo) & (cells.pos < hi)
+            idxs = cells.in_range(lo, hi, seq_id)
             if seq_id == -1:
-                idxs = np.flatnonzero(in_range)
                 cells.rm(idxs)
                 freed = idxs
             else:
-                idxs = np.flatnonzero(in_range & cells.seq[seq_id])
                 freed = cells.seq_rm(idxs, seq_id)
             if freed.size and freed[0] < self.v_heads[s] and not keep_head:
                 self.v_heads[s] = int(freed[0])
@@ -211,7 +209,7 @@ class KVCache:
             return
         cells = self.v_cells[stream]
         lo, hi = _range(p0, p1)
-        idxs = np.flatnonzero(cells.seq[src] & (cells.pos >= lo) & (cells.pos < hi))
+        idxs = cells.in_range(lo, hi, src)
         if np.any(cells.seq[dst, idxs]):
             raise MemoryOperationError(
                 f"seq_cp({src}, {dst}): sequence {dst} already shares cells with {src} in that range; "
@@ -257,7 +255,7 @@ class KVCache:
             return
         s = self.seq_to_stream(seq_id)
         cells = self.v_cells[s]
-        idxs = np.flatnonzero(cells.seq[seq_id] & (cells.pos >= lo) & (cells.pos < hi))
+        idxs = cells.in_range(lo, hi, seq_id)
         old = cells.pos[idxs].copy()
         freed = cells.pos_add(idxs, delta)
         # llama.cpp: the head goes to the first freed cell, else to 0, even if nothing moved.
@@ -276,7 +274,7 @@ class KVCache:
             return
         s = self.seq_to_stream(seq_id)
         cells = self.v_cells[s]
-        idxs = np.flatnonzero(cells.seq[seq_id] & (cells.pos >= lo) & (cells.pos < hi))
+        idxs = cells.in_range(lo, hi, seq_id)
         old = cells.pos[idxs].copy()
         cells.pos_div(idxs, d)
         self._publish(ev.CellsShifted, [self._stream_cells(s, idxs)], op="div", seq_id=seq_id, p0=p0, p1=p1,

@@ -51,6 +51,13 @@ class KVCells:
         nz = np.flatnonzero(self.pos >= 0)
         return int(nz[-1]) + 1 if nz.size else 0
 
+    def in_range(self, p0: int, p1: int, seq_id: int = -1) -> np.ndarray:
+        """Indices of non-empty cells with positions in [p0, p1), holding seq_id (any when -1)."""
+        hit = (self.pos >= max(p0, 0)) & (self.pos < p1)
+        if seq_id >= 0:
+            hit &= self.seq[seq_id]
+        return np.flatnonzero(hit)
+
     def seq_count(self) -> np.ndarray:
         """Number of sequences in each cell."""
         return self.seq.sum(axis=0)
