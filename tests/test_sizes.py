@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from engine.context import ContextParams
-from engine.kv.cache import CacheLayout
+from engine.kv.layout import CacheLayout
 from engine.kv.types import cache_type
 
 

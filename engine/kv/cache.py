@@ -18,12 +18,12 @@ from engine import events as ev
 from engine.batch import BatchAllocator, UBatch
 from engine.errors import MemoryOperationError
 from engine.kv.cells import MAX_SEQ, KVCells
+from engine.kv.attention import UbatchAttention
+from engine.kv.layout import CacheLayout
 from engine.kv.swa import SwaType, is_masked_swa
-from engine.kv.types import CacheType
 
 log = logging.getLogger("kvscope.kv")
 
-CPU_BUFFER_ALIGNMENT = 32
 POS_INF = np.iinfo(np.int64).max
 
 # (k [N, n_head_kv, head_dim] float32, delta [N] int64) -> keys re-rotated by delta positions
@@ -40,58 +40,6 @@ class SlotInfo:
     @property
     def n_per_stream(self) -> int:
         return len(self.idxs[0])
-
-
-@dataclass(frozen=True)
-class CacheLayout:
-    """Sizes of one cache; all counts as llama.cpp's."""
-
-    layer_ids: tuple[int, ...]  # model layers stored in this cache
-    n_embd_k: int  # K row width of a layer
-    n_embd_v: int  # V row width (n_embd_v_gqa_max when V is transposed)
-    n_head_kv: int
-    head_dim: int
-    kv_size: int  # cells per stream
-    n_stream: int
-    n_seq_max: int
-    type_k: CacheType
-    type_v: CacheType
-    v_trans: bool
-    pad: int = 256
-    n_swa: int = 0
-    swa_type: SwaType = SwaType.NONE
-
-    def k_bytes_per_layer(self) -> int:
-        return self.kv_size * self.n_stream * self.type_k.row_bytes(self.n_embd_k)
-
-    def v_bytes_per_layer(self) -> int:
-        return self.kv_size * self.n_stream * self.type_v.row_bytes(self.n_embd_v)
-
-    def k_bytes(self) -> int:
-        return self.k_bytes_per_layer() * len(self.layer_ids)
-
-    def v_bytes(self) -> int:
-        return self.v_bytes_per_layer() * len(self.layer_ids)
-
-    def buffer_bytes(self) -> int:
-        """The CPU KV buffer: every tensor rounded up to the backend alignment."""
-        per_layer = _aligned(self.k_bytes_per_layer()) + _aligned(self.v_bytes_per_layer())
-        return per_layer * len(self.layer_ids)
-
-    def init_log_lines(self) -> list[str]:
-        """llama.cpp's llama_kv_cache info lines, byte for byte."""
-        mib = 1024.0 * 1024.0
-        k, v = self.k_bytes(), self.v_bytes()
-        return [
-            f"llama_kv_cache: {'CPU':>10s} KV buffer size = {self.buffer_bytes() / mib:8.2f} MiB",
-            (f"llama_kv_cache: size = {(k + v) / mib:7.2f} MiB ({self.kv_size:6d} cells, "
-             f"{len(self.layer_ids):3d} layers, {self.n_seq_max:2d}/{self.n_stream} seqs), "
-             f"K ({self.type_k.name}): {k / mib:7.2f} MiB, V ({self.type_v.name}): {v / mib:7.2f} MiB"),
-        ]
-
-
-def _aligned(n: int, alignment: int = CPU_BUFFER_ALIGNMENT) -> int:
-    return (n + alignment - 1) // alignment * alignment
 
 
 class KVCache:
@@ -477,7 +425,7 @@ class KVCache:
         padded = (used_max_p1 + pad - 1) // pad * pad
         return min(self.size, max(pad, padded))
 
-    def attention_inputs(self, sinfo: SlotInfo, ubatch: UBatch) -> "UbatchAttention":
+    def attention_inputs(self, sinfo: SlotInfo, ubatch: UBatch) -> UbatchAttention:
         return UbatchAttention(self, sinfo, ubatch)
 
     # ---- events ---------------------------------------------------------------------------
@@ -499,64 +447,6 @@ class KVCache:
     def publish_snapshot(self) -> None:
         """Publish the complete state, so that a watcher that missed events can resync."""
         self._publish(ev.MemorySnapshot, [self._stream_cells(s, np.arange(self.size)) for s in range(self.n_stream)])
-
-
-class UbatchAttention:
-    """Per-ubatch access to the cache for the model: store this ubatch's K/V, read all visible K/V,
-    and the KQ mask, built once from the cells after the ubatch was applied."""
-
-    def __init__(self, cache: KVCache, sinfo: SlotInfo, ubatch: UBatch) -> None:
-        self.cache = cache
-        self.n_groups = len(sinfo.streams)
-        self.n_kv = cache.n_kv(sinfo.streams)
-        streams = list(sinfo.streams)
-        self._stream_slice = (slice(streams[0], streams[0] + 1) if self.n_groups == 1 else
-                              torch.tensor(streams, dtype=torch.long))
-        n_per = sinfo.n_per_stream
-        self._token_stream = torch.tensor(np.repeat(streams, n_per), dtype=torch.long)
-        self._token_cell = torch.from_numpy(np.concatenate(sinfo.idxs).astype(np.int64))
-        self.mask = self._build_mask(sinfo, ubatch)  # [groups, 1, n_per, n_kv] bool, True = attend
-
-    def _build_mask(self, sinfo: SlotInfo, ubatch: UBatch) -> torch.Tensor:
-        cache, n_kv = self.cache, self.n_kv
-        n_per = sinfo.n_per_stream
-        lo = cache.layout
-        masks = []
-        for g, stream in enumerate(sinfo.streams):
-            cells = cache.v_cells[stream]
-            tokens = slice(g * n_per, (g + 1) * n_per)
-            # A token with several sequences is masked as its last listed sequence (llama.cpp).
-            deciding = np.fromiter((ids[-1] for ids in ubatch.seq_ids[tokens]), dtype=np.int64, count=n_per)
-            cell_pos = cells.pos[:n_kv][None, :]
-            tok_pos = ubatch.pos[tokens][:, None]
-            keep = cells.seq[deciding, :n_kv] & (cell_pos >= 0) & (cell_pos <= tok_pos)
-            if lo.swa_type != SwaType.NONE:
-                keep &= ~is_masked_swa(lo.n_swa, lo.swa_type, cell_pos, tok_pos)
-            masks.append(keep)
-        return torch.from_numpy(np.stack(masks)[:, None])
-
-    def store_and_load(self, il: int, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype):
-        """k, v: [n_tokens, n_embd_k|v]. Returns K, V as [groups, n_head_kv, n_kv, head_dim]."""
-        cache = self.cache
-        i = cache.layer_index[il]
-        kc, vc = cache.k[i], cache.v[i]
-        streams, cells_idx = self._token_stream, self._token_cell
-        if kc.device != k.device:  # this layer's cache lives on another device than the activations
-            streams, cells_idx = streams.to(kc.device), cells_idx.to(kc.device)
-        kc[streams, cells_idx] = k.to(kc.device, kc.dtype)
-        lo = cache.layout
-        n_kv = self.n_kv
-        keys = kc[self._stream_slice, :n_kv]
-        keys = keys.view(self.n_groups, n_kv, lo.n_head_kv, lo.head_dim).transpose(1, 2)
-        if lo.v_trans:
-            vc[streams, :, cells_idx] = v.to(vc.device, vc.dtype)
-            values = vc[self._stream_slice, :, :n_kv]
-            values = values.reshape(self.n_groups, lo.n_head_kv, lo.head_dim, n_kv).transpose(-1, -2)
-        else:
-            vc[streams, cells_idx] = v.to(vc.device, vc.dtype)
-            values = vc[self._stream_slice, :n_kv]
-            values = values.view(self.n_groups, n_kv, lo.n_head_kv, lo.head_dim).transpose(1, 2)
-        return keys.to(k.device, dtype), values.to(k.device, dtype)
 
 
 def _range(p0: int, p1: int) -> tuple[int, int]:

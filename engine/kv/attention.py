@@ -1,0 +1,72 @@
+"""Per-ubatch attention inputs: store the ubatch's K/V in the cache, read every visible row, and the
+KQ mask built from the cells (spec section 8)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from engine.batch import UBatch
+from engine.kv.swa import SwaType, is_masked_swa
+
+if TYPE_CHECKING:
+    from engine.kv.cache import KVCache, SlotInfo
+
+
+class UbatchAttention:
+    """Per-ubatch access to the cache for the model: store this ubatch's K/V, read all visible K/V,
+    and the KQ mask, built once from the cells after the ubatch was applied."""
+
+    def __init__(self, cache: KVCache, sinfo: SlotInfo, ubatch: UBatch) -> None:
+        self.cache = cache
+        self.n_groups = len(sinfo.streams)
+        self.n_kv = cache.n_kv(sinfo.streams)
+        streams = list(sinfo.streams)
+        self._stream_slice = (slice(streams[0], streams[0] + 1) if self.n_groups == 1 else
+                              torch.tensor(streams, dtype=torch.long))
+        n_per = sinfo.n_per_stream
+        self._token_stream = torch.tensor(np.repeat(streams, n_per), dtype=torch.long)
+        self._token_cell = torch.from_numpy(np.concatenate(sinfo.idxs).astype(np.int64))
+        self.mask = self._build_mask(sinfo, ubatch)  # [groups, 1, n_per, n_kv] bool, True = attend
+
+    def _build_mask(self, sinfo: SlotInfo, ubatch: UBatch) -> torch.Tensor:
+        cache, n_kv = self.cache, self.n_kv
+        n_per = sinfo.n_per_stream
+        lo = cache.layout
+        masks = []
+        for g, stream in enumerate(sinfo.streams):
+            cells = cache.v_cells[stream]
+            tokens = slice(g * n_per, (g + 1) * n_per)
+            # A token with several sequences is masked as its last listed sequence (llama.cpp).
+            deciding = np.fromiter((ids[-1] for ids in ubatch.seq_ids[tokens]), dtype=np.int64, count=n_per)
+            cell_pos = cells.pos[:n_kv][None, :]
+            tok_pos = ubatch.pos[tokens][:, None]
+            keep = cells.seq[deciding, :n_kv] & (cell_pos >= 0) & (cell_pos <= tok_pos)
+            if lo.swa_type != SwaType.NONE:
+                keep &= ~is_masked_swa(lo.n_swa, lo.swa_type, cell_pos, tok_pos)
+            masks.append(keep)
+        return torch.from_numpy(np.stack(masks)[:, None])
+
+    def store_and_load(self, il: int, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype):
+        """k, v: [n_tokens, n_embd_k|v]. Returns K, V as [groups, n_head_kv, n_kv, head_dim]."""
+        cache = self.cache
+        i = cache.layer_index[il]
+        kc, vc = cache.k[i], cache.v[i]
+        streams, cells_idx = self._token_stream, self._token_cell
+        if kc.device != k.device:  # this layer's cache lives on another device than the activations
+            streams, cells_idx = streams.to(kc.device), cells_idx.to(kc.device)
+        kc[streams, cells_idx] = k.to(kc.device, kc.dtype)
+        lo = cache.layout
+        n_kv = self.n_kv
+        keys = kc[self._stream_slice, :n_kv]
+        keys = keys.view(self.n_groups, n_kv, lo.n_head_kv, lo.head_dim).transpose(1, 2)
+        if lo.v_trans:
+            vc[streams, :, cells_idx] = v.to(vc.device, vc.dtype)
+            values = vc[self._stream_slice, :, :n_kv]
+            values = values.reshape(self.n_groups, lo.n_head_kv, lo.head_dim, n_kv).transpose(-1, -2)
+        else:
+            vc[streams, cells_idx] = v.to(vc.device, vc.dtype)
+            values = vc[self._stream_slice, :n_kv]
+            values = values.view(self.n_groups, n_kv, lo.n_head_kv, lo.head_dim).transpose(1, 2)
+        return keys.to(k.device, dtype), values.to(k.device, dtype)
