@@ -18,6 +18,7 @@ import torch
 
 import engine
 from engine.generate import Generator
+from engine.models.transformer import project
 from engine.sampling import SamplerParams
 
 CONFIG = dict(vocab_size=16000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
@@ -69,17 +70,17 @@ def run_kvscope(model, prompt: list[int], n_new: int, with_subscriber: bool) -> 
 
 def weight_streaming_floor(model, reps: int = 10) -> float:
     """Tokens/s if a decode step did nothing but read every weight matrix once (one vector-matrix
-    product each, in the engine's input-major layout):
+    product each, in the engine's column-blocked layout):
     about the memory-bandwidth ceiling of any f32 engine on this machine."""
     tf = model.transformer
     mats = [tf.lm_head_t] + [w for layer in tf.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
-    xs = {m.shape[0]: torch.randn(1, m.shape[0]) for m in mats}
+    xs = {m.shape[1]: torch.randn(1, m.shape[1]) for m in mats}
     times = []
     with torch.no_grad():
         for _ in range(reps):
             t0 = time.perf_counter()
             for m in mats:
-                xs[m.shape[0]] @ m
+                project(xs[m.shape[1]], m)
             times.append(time.perf_counter() - t0)
     return 1.0 / statistics.median(times)
 
