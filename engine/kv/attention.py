@@ -52,21 +52,10 @@ class UbatchAttention:
         """k, v: [n_tokens, n_embd_k|v]. Returns K, V as [groups, n_head_kv, n_kv, head_dim]."""
         cache = self.cache
         i = cache.layer_index[il]
-        kc, vc = cache.k[i], cache.v[i]
-        streams, cells_idx = self._token_stream, self._token_cell
-        if kc.device != k.device:  # this layer's cache lives on another device than the activations
-            streams, cells_idx = streams.to(kc.device), cells_idx.to(kc.device)
-        kc[streams, cells_idx] = k.to(kc.device, kc.dtype)
         lo = cache.layout
-        n_kv = self.n_kv
-        keys = kc[self._stream_slice, :n_kv]
-        keys = keys.view(self.n_groups, n_kv, lo.n_head_kv, lo.head_dim).transpose(1, 2)
-        if lo.v_trans:
-            vc[streams, :, cells_idx] = v.to(vc.device, vc.dtype)
-            values = vc[self._stream_slice, :, :n_kv]
-            values = values.reshape(self.n_groups, lo.n_head_kv, lo.head_dim, n_kv).transpose(-1, -2)
-        else:
-            vc[streams, cells_idx] = v.to(vc.device, vc.dtype)
-            values = vc[self._stream_slice, :n_kv]
-            values = values.view(self.n_groups, n_kv, lo.n_head_kv, lo.head_dim).transpose(1, 2)
-        return keys.to(k.device, dtype), values.to(k.device, dtype)
+        shape = (self.n_groups, self.n_kv, lo.n_head_kv, lo.head_dim)
+        out = []
+        for rows, new in ((cache.k[i], k), (cache.v[i], v)):
+            rows.write(self._token_stream, self._token_cell, new)
+            out.append(rows.read(self._stream_slice, self.n_kv, dtype).to(k.device).view(shape).transpose(1, 2))
+        return out[0], out[1]

@@ -20,6 +20,7 @@ from engine.errors import MemoryOperationError
 from engine.kv.cells import MAX_SEQ, KVCells
 from engine.kv.attention import UbatchAttention
 from engine.kv.layout import CacheLayout
+from engine.kv.storage import RowStorage
 from engine.kv.swa import SwaType, is_masked_swa
 
 log = logging.getLogger("kvscope.kv")
@@ -59,14 +60,13 @@ class KVCache:
         self.v_heads = [0] * layout.n_stream  # a search hint, not part of the cache state
         self.pending_copies: list[tuple[int, int]] = []
         self.layer_index = {il: i for i, il in enumerate(layout.layer_ids)}
-        shape_k = (layout.n_stream, layout.kv_size, layout.n_embd_k)
-        shape_v = ((layout.n_stream, layout.n_embd_v, layout.kv_size) if layout.v_trans
-                   else (layout.n_stream, layout.kv_size, layout.n_embd_v))
         devices = list(layer_devices) if layer_devices is not None else ["cpu"] * len(layout.layer_ids)
         if len(devices) != len(layout.layer_ids):
             raise ValueError(f"{len(devices)} layer devices for {len(layout.layer_ids)} cache layers")
-        self.k = [torch.zeros(shape_k, dtype=layout.type_k.torch_dtype, device=d) for d in devices]
-        self.v = [torch.zeros(shape_v, dtype=layout.type_v.torch_dtype, device=d) for d in devices]
+        rows = dict(n_stream=layout.n_stream, kv_size=layout.kv_size)
+        self.k = [RowStorage(layout.type_k, width=layout.n_embd_k, device=d, **rows) for d in devices]
+        self.v = [RowStorage(layout.type_v, width=layout.n_embd_v, transposed=layout.v_trans, device=d, **rows)
+                  for d in devices]
 
     # ---- sizes and log lines -------------------------------------------------------------
     def k_bytes(self) -> int:
@@ -241,8 +241,8 @@ class KVCache:
             self.v_heads[s] = 0
             changes.append(self._stream_cells(s, idxs))
         if data:  # queued stream copies stay queued, as in llama.cpp
-            for t in self.k + self.v:
-                t.zero_()
+            for rows in self.k + self.v:
+                rows.zero_()
         self._publish(ev.CellsRemoved, changes, reason="clear")
 
     # ---- slot search, dry run and apply -----------------------------------------------------
@@ -387,8 +387,8 @@ class KVCache:
         did = False
         copies, self.pending_copies = self.pending_copies, []
         for src, dst in copies:
-            for t in self.k + self.v:
-                t[dst].copy_(t[src])
+            for rows in self.k + self.v:
+                rows.copy_stream(src, dst)
             log.debug("copying KV buffer: stream %d to stream %d", src, dst)
             if self.bus.active:
                 self.bus.publish(ev.StreamCopyExecuted(self.name, src, dst, len(self.k)))
@@ -407,11 +407,12 @@ class KVCache:
             idxs = np.flatnonzero(cells.shift != 0)
             if idxs.size:
                 delta = torch.from_numpy(cells.shift[idxs].copy())
-                rows = torch.from_numpy(idxs)
+                cell_idx = torch.from_numpy(idxs)
+                stream_idx = torch.full_like(cell_idx, s)
                 for il, k in zip(self.layout.layer_ids, self.k):
-                    keys = k[s, rows].float().view(-1, lo.n_head_kv, lo.head_dim)
-                    shifted = self._key_shifter(il, keys, delta)
-                    k[s, rows] = shifted.reshape(len(idxs), -1).to(k.dtype)
+                    # Quantized K: dequantized, re-roped in f32, quantized again (as llama.cpp).
+                    keys = k.read_cells(s, cell_idx).view(-1, lo.n_head_kv, lo.head_dim)
+                    k.write(stream_idx, cell_idx, self._key_shifter(il, keys, delta).reshape(len(idxs), -1))
                 amounts.append(ev._frozen_array(cells.shift[idxs]))
             cells.reset_shift()
             changes.append(self._stream_cells(s, idxs))

@@ -1,7 +1,8 @@
 """K/V cache storage types: names, block sizes and row sizes exactly as ggml counts them."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -14,6 +15,9 @@ class CacheType:
     block_size: int  # values per block
     block_bytes: int  # bytes per block
     torch_dtype: torch.dtype | None  # storage dtype when the type maps onto a torch dtype
+    # Quantized types: float rows [..., n] <-> block bytes [..., n / block_size * block_bytes] (uint8).
+    quantize: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False, repr=False)
+    dequantize: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
     @property
     def is_quantized(self) -> bool:
