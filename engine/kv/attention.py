@@ -49,7 +49,8 @@ class UbatchAttention:
         return torch.from_numpy(np.stack(masks)[:, None])
 
     def store_and_load(self, il: int, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype):
-        """k, v: [n_tokens, n_embd_k|v]. Returns K, V as [groups, n_head_kv, n_kv, head_dim]."""
+        """k, v: [n_tokens, n_embd_k|v]. Returns K, V as [groups, n_head_kv, n_kv, head_dim] and the
+        layer's KQ mask [groups, 1, tokens per group, n_kv] (True = attend)."""
         cache = self.cache
         i = cache.layer_index[il]
         lo = cache.layout
@@ -58,4 +59,4 @@ class UbatchAttention:
         for rows, new in ((cache.k[i], k), (cache.v[i], v)):
             rows.write(self._token_stream, self._token_cell, new)
             out.append(rows.read(self._stream_slice, self.n_kv, dtype).to(k.device).view(shape).transpose(1, 2))
-        return out[0], out[1]
+        return out[0], out[1], self.mask

@@ -46,6 +46,12 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     add_bos: bool = False
     name: str = ""
+    # Sliding-window attention, in llama.cpp's terms: n_swa is the window (a key at p0 is masked
+    # for a query at p1 when p1 - p0 >= n_swa, STANDARD type), swa_type an engine.kv.swa.SwaType
+    # value, swa_layers one flag per layer (empty: no sliding layer).
+    n_swa: int = 0
+    swa_type: int = 0
+    swa_layers: tuple[bool, ...] = ()
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -55,6 +61,13 @@ class ModelConfig:
             )
         if self.n_head % self.n_head_kv != 0:
             raise ValueError(f"n_head {self.n_head} is not a multiple of n_head_kv {self.n_head_kv}")
+
+    def is_swa(self, il: int) -> bool:
+        return bool(self.swa_layers) and self.swa_layers[il]
+
+    @property
+    def has_swa(self) -> bool:
+        return any(self.swa_layers)
 
     @property
     def n_embd_k_gqa(self) -> int:

@@ -17,10 +17,15 @@ from engine.rope import Rotary
 
 
 class AttentionInputs(Protocol):
-    n_groups: int
-    mask: torch.Tensor  # [groups, 1, tokens per group, n_kv] bool
+    """What the cache gives the model for one ubatch. Tokens are grouped per stream (n_groups
+    groups of equal size); store_and_load returns K, V [groups, n_head_kv, n_kv, head_dim] and the
+    layer's mask [groups, 1, tokens per group, n_kv] (True = attend), which differs between
+    sliding-window and full-attention layers."""
 
-    def store_and_load(self, il: int, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype): ...
+    n_groups: int
+
+    def store_and_load(self, il: int, k: torch.Tensor, v: torch.Tensor,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 class DecodeAborted(Exception):
@@ -128,9 +133,9 @@ class Transformer:
             k = k.view(T, cfg.n_head_kv, cfg.head_dim)
             q = Rotary.apply(q, cos, sin)
             k = Rotary.apply(k, cos, sin)
-            keys, values = attn.store_and_load(il, k.reshape(T, -1), v, self.dtype)  # [G, Hkv, n_kv, D]
+            keys, values, mask = attn.store_and_load(il, k.reshape(T, -1), v, self.dtype)  # [G, Hkv, n_kv, D]
             q = q.view(G, T // G, cfg.n_head, cfg.head_dim).transpose(1, 2)  # [G, H, T/G, D]
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn.mask, enable_gqa=True)
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
             x = x + project(o.transpose(1, 2).reshape(T, cfg.n_head * cfg.head_dim), layer.wo)
             h = rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
             gate, up = project(h, layer.w_gate_up).chunk(2, dim=-1)
