@@ -174,6 +174,9 @@ class ContextCreated(Event):
     unified: bool
     model_name: str
     log_lines: tuple[str, ...]
+    layer_ids: tuple[int, ...] = ()  # model layers stored in this cache
+    n_swa: int = 0  # sliding window of this cache (0: full attention)
+    swa_type: int = 0
 
 
 @dataclass(frozen=True, eq=False)

@@ -78,6 +78,10 @@ class KVCache:
     def init_log_lines(self) -> list[str]:
         return self.layout.init_log_lines()
 
+    def caches(self) -> list["KVCache"]:
+        """The caches behind this memory: just this one (an iSWA pair has two)."""
+        return [self]
+
     # ---- state views ----------------------------------------------------------------------
     def cells(self, stream: int = 0) -> list[tuple[int, frozenset[int], int]]:
         """One (pos, seq ids, shift) per cell of a stream; pos -1 when empty."""
@@ -144,35 +148,43 @@ class KVCache:
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Make dst share src's cells in [p0, p1). Across streams the whole stream is copied."""
-        self._check_seq(src, "seq_cp")
-        self._check_seq(dst, "seq_cp")
+        self.check_seq_cp(src, dst, p0, p1)
         s_src, s_dst = self.seq_to_stream(src), self.seq_to_stream(dst)
         if s_src == s_dst:
             self._seq_cp_same_stream(s_src, src, dst, p0, p1)
         else:
             self._seq_cp_across_streams(s_src, s_dst, src, dst, p0, p1)
 
+    def check_seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Raise what seq_cp would refuse (llama.cpp aborts there), changing nothing."""
+        self._check_seq(src, "seq_cp")
+        self._check_seq(dst, "seq_cp")
+        s_src, s_dst = self.seq_to_stream(src), self.seq_to_stream(dst)
+        if s_src == s_dst:
+            cells = self.v_cells[s_src]
+            idxs = cells.in_range(*_range(p0, p1), src)
+            if src != dst and np.any(cells.seq[dst, idxs]):
+                raise MemoryOperationError(
+                    f"seq_cp({src}, {dst}): sequence {dst} already shares cells with {src} in that range; "
+                    f"remove it first with seq_rm({dst}, ...)")
+            return
+        last = self.size - 1
+        if not ((p0 <= 0 or p0 >= last) and (p1 < 0 or p1 >= last or p1 == 0)):
+            raise MemoryOperationError(
+                f"seq_cp({src}, {dst}, {p0}, {p1}): with split streams only a full-range copy is supported "
+                f"(use p0 = -1, p1 = -1); the whole stream {s_src} is copied to stream {s_dst}")
+
     def _seq_cp_same_stream(self, stream: int, src: int, dst: int, p0: int, p1: int) -> None:
         if src == dst:
             return
         cells = self.v_cells[stream]
-        lo, hi = _range(p0, p1)
-        idxs = cells.in_range(lo, hi, src)
-        if np.any(cells.seq[dst, idxs]):
-            raise MemoryOperationError(
-                f"seq_cp({src}, {dst}): sequence {dst} already shares cells with {src} in that range; "
-                f"remove it first with seq_rm({dst}, ...)")
+        idxs = cells.in_range(*_range(p0, p1), src)
         cells.seq_add(idxs, dst)
         if idxs.size:
             self._publish(ev.CellsCopied, [self._stream_cells(stream, idxs)], src_seq=src, dst_seq=dst,
                           src_stream=stream, dst_stream=stream)
 
     def _seq_cp_across_streams(self, s_src: int, s_dst: int, src: int, dst: int, p0: int, p1: int) -> None:
-        last = self.size - 1
-        if not ((p0 <= 0 or p0 >= last) and (p1 < 0 or p1 >= last or p1 == 0)):
-            raise MemoryOperationError(
-                f"seq_cp({src}, {dst}, {p0}, {p1}): with split streams only a full-range copy is supported "
-                f"(use p0 = -1, p1 = -1); the whole stream {s_src} is copied to stream {s_dst}")
         src_cells, dst_cells = self.v_cells[s_src], self.v_cells[s_dst]
         dst_cells.clear()
         dst_cells.copy_cells(src_cells, np.flatnonzero(src_cells.seq[src]), dst)
