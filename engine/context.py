@@ -17,7 +17,7 @@ import torch
 from engine import events as ev
 from engine.batch import Batch, BatchAllocator, UBatch
 from engine.errors import BatchTooLargeError, ContextParamsError, InvalidBatchError
-from engine.kv.cache import CacheLayout, KVCache
+from engine.kv.factory import build_memory
 from engine.kv.memory import Memory
 from engine.kv.cells import MAX_SEQ
 from engine.kv.types import cache_type
@@ -106,12 +106,7 @@ class Context:
         self.abort_callback = abort_callback
         self.perf = PerfCounters()
         p = self.params
-        layout = CacheLayout(
-            layer_ids=tuple(range(cfg.n_layer)), n_embd_k=cfg.n_embd_k_gqa, n_embd_v=cfg.n_embd_v_gqa,
-            n_head_kv=cfg.n_head_kv, head_dim=cfg.head_dim, kv_size=p.n_ctx_seq, n_stream=p.n_stream,
-            n_seq_max=p.n_seq_max, type_k=cache_type(p.type_k), type_v=cache_type(p.type_v),
-            v_trans=p.v_trans, pad=p.pad)
-        self.memory: Memory = KVCache(layout, bus=self.bus, key_shifter=model.transformer.rotary.shift_keys)
+        self.memory: Memory = build_memory(cfg, p, bus=self.bus, key_shifter=model.transformer.rotary.shift_keys)
         self.init_log_lines = self._context_log_lines() + self.memory.init_log_lines()
         for line in self.init_log_lines:
             log.info("%s", line)
@@ -160,13 +155,16 @@ class Context:
     def _publish_created(self) -> None:
         if not self.bus.active:
             return
-        p, mem = self.params, self.memory
-        self.bus.publish(ev.ContextCreated(
-            cache=mem.name, n_ctx=p.n_ctx, n_ctx_seq=p.n_ctx_seq, kv_size=mem.size, n_stream=mem.n_stream,
-            n_seq_max=p.n_seq_max, n_layer=self.model.config.n_layer, type_k=p.type_k, type_v=p.type_v,
-            v_trans=p.v_trans, k_bytes=mem.k_bytes(), v_bytes=mem.v_bytes(), n_batch=p.n_batch,
-            n_ubatch=p.n_ubatch, pad=p.pad, unified=p.kv_unified, model_name=self.model.name,
-            log_lines=tuple(self.init_log_lines)))
+        p = self.params
+        for cache in self.memory.caches():
+            lo = cache.layout
+            self.bus.publish(ev.ContextCreated(
+                cache=cache.name, n_ctx=p.n_ctx, n_ctx_seq=p.n_ctx_seq, kv_size=cache.size,
+                n_stream=cache.n_stream, n_seq_max=p.n_seq_max, n_layer=len(lo.layer_ids), type_k=p.type_k,
+                type_v=p.type_v, v_trans=p.v_trans, k_bytes=cache.k_bytes(), v_bytes=cache.v_bytes(),
+                n_batch=p.n_batch, n_ubatch=p.n_ubatch, pad=p.pad, unified=p.kv_unified,
+                model_name=self.model.name, log_lines=tuple(self.init_log_lines), layer_ids=lo.layer_ids,
+                n_swa=lo.n_swa, swa_type=int(lo.swa_type)))
 
     def publish_state(self) -> None:
         """Publish ContextCreated and a full MemorySnapshot, for a watcher that joins late."""
