@@ -71,13 +71,14 @@ class StreamCells:
 
 @dataclass(frozen=True, eq=False)
 class CellsChanged(Event):
-    """Base of every event that changes cell metadata. `cache` names the cache ("kv", later
-    "base"/"swa" of an iSWA pair); `tentative` marks dry-run changes that a later event confirms
-    or rolls back."""
+    """Base of every event that changes cell metadata. `cache` names the cache ("kv", or "base"
+    and "swa" of an iSWA pair); `tentative` marks dry-run changes, which a SlotsRolledBack event
+    undoes, except the SWA purge of a dry run, which persists (see `quirk`)."""
 
     cache: str
     changes: tuple[StreamCells, ...]
     tentative: bool = False
+    quirk: str = ""  # set when the change is llama.cpp behaviour that looks unintended (spec QUIRKs)
 
 
 @dataclass(frozen=True, eq=False)

@@ -27,6 +27,11 @@ log = logging.getLogger("kvscope.kv")
 
 POS_INF = np.iinfo(np.int64).max
 
+QUIRK_DRY_RUN_PURGE = ("llama.cpp QUIRK (spec 5c): the SWA purge of a dry run is not rolled back, even when the "
+                       "decode then fails")
+QUIRK_DIV_SHIFT = ("llama.cpp QUIRK (spec 2): seq_div accumulates old - new as the shift, so the next K-shift "
+                   "turns the keys away from the new positions")
+
 # (k [N, n_head_kv, head_dim] float32, delta [N] int64) -> keys re-rotated by delta positions
 KeyShifter = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -142,8 +147,9 @@ class KVCache:
             if idxs.size:
                 changes.append(self._stream_cells(s, idxs))
         if changes:
+            quirk = QUIRK_DRY_RUN_PURGE if (reason == "purge" and tentative) else ""
             self._publish(ev.CellsRemoved, changes, reason=reason, seq_id=seq_id, p0=p0, p1=p1,
-                          n_freed=n_freed, tentative=tentative)
+                          n_freed=n_freed, tentative=tentative, quirk=quirk)
         return True
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
@@ -238,7 +244,7 @@ class KVCache:
         old = cells.pos[idxs].copy()
         cells.pos_div(idxs, d)
         self._publish(ev.CellsShifted, [self._stream_cells(s, idxs)], op="div", seq_id=seq_id, p0=p0, p1=p1,
-                      amount=d, old_pos=(ev._frozen_array(old),))
+                      amount=d, old_pos=(ev._frozen_array(old),), quirk=QUIRK_DIV_SHIFT)
 
     def _check_shift(self, op: str) -> None:
         if not self.can_shift():
