@@ -49,6 +49,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_flags(gen)
     gen.add_argument("-p", "--prompt", default="Once upon a time")
     gen.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate per sequence")
+    gen.add_argument("--context-shift", action="store_true",
+                     help="when a sequence's context is full, discard half of it after the first --keep tokens "
+                          "and go on (llama-completion's rule)")
+    gen.add_argument("--keep", type=int, default=0,
+                     help="tokens of the prompt to keep on a context shift (-1 = the whole prompt; BOS is always "
+                          "kept)")
+    par = sub.add_parser("parallel", allow_abbrev=False,
+                         help="N clients answering a stream of requests with continuous batching "
+                              "(llama.cpp's parallel example)")
+    _add_context_flags(par)
+    _add_sampling_flags(par)
+    par.set_defaults(parallel=4)
+    par.add_argument("-ns", "--sequences", type=int, default=16, help="number of requests to simulate")
+    par.add_argument("-n", "--n-predict", type=int, default=64,
+                     help="most tokens a request may generate (each request draws its budget from [N/4, N])")
+    par.add_argument("--arrival-gap", type=int, default=2,
+                     help="mean number of steps between two request arrivals (0: all arrive at once)")
+    par.add_argument("--system-prompt", default=None, help="the shared system prompt (default: a built-in one)")
+    par.add_argument("--no-pps", dest="pps", action="store_false",
+                     help="do not share the system prompt: every request decodes it in its own sequence")
+    par.add_argument("--steps", action="store_true", help="print one line per step (batch, decodes, cache use)")
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random llama (HF folder and GGUF) for demos")
     tiny.add_argument("folder")
     return parser
@@ -68,9 +89,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model = engine.load_model(args.model, dtype=args.dtype)
     load_ms = (time.perf_counter() - t_load) * 1e3
     ctx = engine.Context(model, **_context_kwargs(args))
-    params = SamplerParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                           repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=args.seed)
-    gen = Generator(ctx, params)
+    params = _sampler_params(args)
+    gen = Generator(ctx, params, context_shift=args.context_shift, n_keep=args.keep)
     log.info("sampler seed: %d", gen.sampler.seed)
     n_par = args.parallel
     if n_par == 1:
@@ -88,6 +108,62 @@ def cmd_generate(args: argparse.Namespace) -> int:
             log.warning("seq %d stopped: %s", r.seq_id, r.stop_reason)
     _print_perf(ctx, gen, load_ms)
     return 0
+
+
+def cmd_parallel(args: argparse.Namespace) -> int:
+    import engine
+    from engine.parallel import DEFAULT_SYSTEM_PROMPT, ParallelRunner, make_schedule
+
+    if args.parallel < 1:
+        raise KvscopeError(f"-np must be >= 1, got {args.parallel}")
+    if args.sequences < 0:
+        raise KvscopeError(f"--sequences must be >= 0, got {args.sequences}")
+    t_load = time.perf_counter()
+    model = engine.load_model(args.model, dtype=args.dtype)
+    load_ms = (time.perf_counter() - t_load) * 1e3
+    kwargs = _context_kwargs(args)
+    kwargs["n_seq_max"] = args.parallel + 1  # one sequence for the system prompt, as llama-parallel
+    ctx = engine.Context(model, **kwargs)
+    params = _sampler_params(args)
+    runner = ParallelRunner(ctx, args.parallel, params,
+                            system_prompt=DEFAULT_SYSTEM_PROMPT if args.system_prompt is None else args.system_prompt,
+                            share_system_prompt=args.pps)
+    log.info("sampler seed: %d", runner.seed)
+    requests = make_schedule(args.sequences, seed=args.seed, n_predict=args.n_predict, arrival_gap=args.arrival_gap)
+    for info in runner.steps(requests):
+        if args.steps:
+            tries = " ".join(f"{d.n_tokens}:{d.rc}" for d in info.decodes)
+            print(f"step {info.step:4d} {info.phase:6s} tokens {info.n_tokens:5d} (prompt {info.n_prompt_tokens:5d}, "
+                  f"gen {info.n_gen_tokens:3d}) decodes [{tries}] kv used {info.kv_used:6d} "
+                  f"admitted {[a[0] for a in info.admitted]} finished {[r.request.id for r in info.finished]}")
+        for r in info.finished:
+            _print_request(r, runner.n_sequences)
+    sys.stdout.flush()
+    summary = runner.summary()
+    print()
+    for line in summary.lines(str(args.model)):
+        print(line)
+    print()
+    sys.stdout.flush()
+    _print_perf(ctx, runner, load_ms)
+    return 0
+
+
+def _print_request(r, n_sequences: int) -> None:
+    if r.ok:
+        print(f"Client {r.client:3d}, seq {r.request.id:3d}/{n_sequences:3d}, prompt {r.n_prompt:4d} t, response "
+              f"{r.n_decoded:4d} t, time {r.time_s:5.2f} s, speed {r.speed:5.2f} t/s, cache miss {r.cache_misses} \n")
+        print(f"Input:    {r.request.question.strip()}")
+        print(f"Response: {r.text.strip()}\n")
+    else:
+        print(f"Client {r.client:3d}, seq {r.request.id:3d}/{n_sequences:3d}, prompt {r.n_prompt:4d} t, response "
+              f"{r.n_decoded:4d} t: {r.stop_reason}: {r.error}\n")
+        print(f"Input:    {r.request.question.strip()}\n")
+
+
+def _sampler_params(args: argparse.Namespace) -> SamplerParams:
+    return SamplerParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                         repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=args.seed)
 
 
 def _write(text: str) -> None:
@@ -129,7 +205,7 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = _log_to_stderr(verbose=getattr(args, "verbose", False))
-    commands = {"generate": cmd_generate, "make-tiny-model": cmd_make_tiny_model}
+    commands = {"generate": cmd_generate, "parallel": cmd_parallel, "make-tiny-model": cmd_make_tiny_model}
     try:
         return commands[args.command](args)
     except KvscopeError as e:

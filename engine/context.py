@@ -54,7 +54,9 @@ class ContextParams:
     @classmethod
     def resolve(cls, *, n_ctx_train: int, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int,
                 kv_unified: bool, pad: int, type_k: str, type_v: str, flash_attn: str,
-                swa_full: bool) -> "ContextParams":
+                swa_full: bool, head_dims: tuple[int, ...] = ()) -> "ContextParams":
+        """head_dims: the K/V head size of every model layer, for the block-size check of quantized
+        cache types (empty: not checked). A quantized V cache turns flash_attn "auto" into "on"."""
         if pad < 1:
             raise ContextParamsError(f"pad must be >= 1, got {pad}")
         if n_ctx < 0 or n_batch < 0 or n_ubatch < 0:
@@ -64,7 +66,23 @@ class ContextParams:
             raise ContextParamsError(f"n_seq_max = {n_seq_max} > {MAX_SEQ}")
         if flash_attn not in FLASH_ATTN_MODES:
             raise ContextParamsError(f"flash_attn must be one of {FLASH_ATTN_MODES}, got {flash_attn!r}")
-        cache_type(type_k), cache_type(type_v)
+        ctype_k, ctype_v = cache_type(type_k), cache_type(type_v)
+        # llama_init_from_model: quantized V needs flash attention (V is then not transposed).
+        if ctype_v.is_quantized and flash_attn != "on":
+            if flash_attn == "off":
+                raise ContextParamsError(
+                    f"quantized V cache requires flash_attn to be enabled (type_v = {ctype_v.name}, "
+                    f"flash_attn = 'off'); use flash_attn='auto' or 'on', or an unquantized V cache (f16, bf16, f32)")
+            log.info("llama_init_from_model: enabling flash_attn since it is required for quantized V cache")
+            flash_attn = "on"
+        if flash_attn != "off":
+            for kind, ctype in (("k", ctype_k), ("v", ctype_v)):
+                bad = [d for d in head_dims if ctype.is_quantized and d % ctype.block_size]
+                if bad:
+                    raise ContextParamsError(
+                        f"{kind.upper()} cache type {ctype.name} with block size {ctype.block_size} does not divide "
+                        f"n_embd_head_{kind}={bad[0]}; a quantized {kind.upper()} cache needs a head size that is a "
+                        f"multiple of {ctype.block_size}: use type_{kind}='f16' (or bf16, f32) with this model")
         n_ctx = pad_to(n_ctx or n_ctx_train, pad)
         if kv_unified:
             n_ctx_seq = n_ctx
@@ -101,7 +119,7 @@ class Context:
         self.params = ContextParams.resolve(
             n_ctx_train=cfg.n_ctx_train, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max,
             kv_unified=kv_unified, pad=pad, type_k=type_k, type_v=type_v, flash_attn=flash_attn,
-            swa_full=swa_full)
+            swa_full=swa_full, head_dims=(cfg.head_dim,) * cfg.n_layer)
         self.bus = bus if bus is not None else ev.EventBus()
         self.abort_callback = abort_callback
         self.perf = PerfCounters()
@@ -286,3 +304,53 @@ class Context:
         if self._logits is None:
             raise IndexError("no logits: the last decode failed or produced no outputs")
         return self._logits
+
+    # ---- state save/restore (llama.h llama_state_*; format and failure rules: engine/kv/state.py) ----
+    def state_get_data(self) -> bytes:
+        """llama_state_get_data: the model arch and the state of the whole memory."""
+        from engine.kv import state
+        return state.context_state_bytes(self.model.config.arch, state.caches_of(self.memory))
+
+    def state_get_size(self) -> int:
+        return len(self.state_get_data())
+
+    def state_set_data(self, data: bytes) -> int:
+        """llama_state_set_data: replace the whole memory; returns the bytes read. Raises
+        engine.kv.state.StateFileError (the memory then is as spec section 13 says)."""
+        from engine.kv import state
+        return state.restore_context_state(self.model.config.arch, state.caches_of(self.memory), data)
+
+    def state_seq_get_data(self, seq_id: int, flags: int = 0) -> bytes:
+        """llama_state_seq_get_data(_ext): the state of one sequence (flags: STATE_SEQ_FLAGS_*)."""
+        from engine.kv import state
+        return state.seq_state_bytes(state.caches_of(self.memory, flags), seq_id)
+
+    def state_seq_get_size(self, seq_id: int, flags: int = 0) -> int:
+        return len(self.state_seq_get_data(seq_id, flags))
+
+    def state_seq_set_data(self, data: bytes, dest_seq_id: int, flags: int = 0) -> int:
+        """llama_state_seq_set_data(_ext): load a sequence state into dest_seq_id (the saved id is
+        ignored); returns the bytes read."""
+        from engine.kv import state
+        return state.restore_seq_state(state.caches_of(self.memory, flags), data, dest_seq_id)
+
+    def state_save_file(self, path, tokens) -> int:
+        """llama_state_save_file ('ggsn' session file with the tokens); returns the file size."""
+        from engine.kv import state
+        return state.save_session_file(path, self.model.config.arch, state.caches_of(self.memory), tokens)
+
+    def state_load_file(self, path, n_token_capacity: int | None = None) -> list[int]:
+        """llama_state_load_file: restore the whole memory; returns the saved tokens."""
+        from engine.kv import state
+        return state.load_session_file(path, self.model.config.arch, state.caches_of(self.memory),
+                                       n_token_capacity)
+
+    def state_seq_save_file(self, path, seq_id: int, tokens) -> int:
+        """llama_state_seq_save_file ('ggsq' file with the tokens); returns the file size."""
+        from engine.kv import state
+        return state.save_seq_file(path, state.caches_of(self.memory), seq_id, tokens)
+
+    def state_seq_load_file(self, path, dest_seq_id: int, n_token_capacity: int | None = None) -> list[int]:
+        """llama_state_seq_load_file: restore a sequence into dest_seq_id; returns the saved tokens."""
+        from engine.kv import state
+        return state.load_seq_file(path, state.caches_of(self.memory), dest_seq_id, n_token_capacity)

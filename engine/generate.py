@@ -2,6 +2,16 @@
 
 The generator only uses the public Context API (decode, logits, memory ops), so what it does to the
 cache is exactly what a llama.cpp program doing the same calls would do.
+
+Context shift (spec §14, llama-completion's rule), on with `context_shift=True`: before a sequence's
+next token is decoded, if `n_past + 1 >= n_ctx_seq` (llama-completion's `n_past + pending >= n_ctx`),
+the first `n_keep` positions are kept, half of the rest is discarded with `seq_rm` and the tail is
+moved down with `seq_add`; the keys are re-rotated by the K-shift at the next decode. A decode that
+returns 1 (no slot, e.g. a unified cache shared by several growing sequences) shifts the sequence
+with the most discardable positions and retries. Without context shift, generation stops when a
+decode finds no slot ("context_full"), as before. When the memory cannot shift (iSWA without
+swa_full, M-RoPE) the option is switched off with llama.cpp's warning, as `common_init_from_params`
+does.
 """
 from __future__ import annotations
 
@@ -23,6 +33,18 @@ log = logging.getLogger("kvscope.generate")
 TextCallback = Callable[[int, str], None]  # (seq_id, new text)
 
 
+@dataclass(frozen=True)
+class ContextShift:
+    """One context shift of a sequence: positions [n_keep, n_keep + n_discard) were removed and
+    [n_keep + n_discard, n_past) moved down by n_discard; n_past afterwards is n_past - n_discard."""
+
+    seq_id: int
+    n_past: int
+    n_keep: int
+    n_left: int
+    n_discard: int
+
+
 @dataclass
 class SequenceResult:
     seq_id: int
@@ -30,6 +52,7 @@ class SequenceResult:
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     stop_reason: str = ""  # "eog", "length" or "context_full"
+    context_shifts: list[ContextShift] = field(default_factory=list)
 
 
 @dataclass
@@ -38,12 +61,42 @@ class _Running:
     next_pos: int
     decoder: object
     last_token: int = -1
+    n_keep: int = 0
+
+
+def resolve_n_keep(n_keep: int, n_prompt: int, add_bos: bool) -> int:
+    """llama-completion's n_keep: < 0 or > the prompt length -> the prompt length; otherwise
+    n_keep + 1 when the vocabulary adds BOS (the BOS token is always kept)."""
+    if n_keep < 0 or n_keep > n_prompt:
+        return n_prompt
+    return n_keep + int(add_bos)
+
+
+def context_shift(ctx: Context, seq_id: int, n_past: int, n_keep: int) -> ContextShift | None:
+    """Discard half of the positions after n_keep of one sequence, as llama-completion does:
+    n_left = n_past - n_keep, n_discard = n_left / 2, seq_rm(seq, n_keep, n_keep + n_discard),
+    seq_add(seq, n_keep + n_discard, n_past, -n_discard). The K-shift runs at the next decode.
+    Returns None (and changes nothing) when there is nothing to discard."""
+    n_left = n_past - n_keep
+    n_discard = int(n_left / 2)  # C integer division (truncates towards zero)
+    if n_discard <= 0:
+        return None
+    # llama-completion's line (it logs it at debug level; kvscope makes it a warning). n_ctx there is
+    # the single sequence's context, i.e. n_ctx_seq here.
+    log.warning("context full, swapping: n_past = %d, n_left = %d, n_ctx = %d, n_keep = %d, n_discard = %d",
+                n_past, n_left, ctx.params.n_ctx_seq, n_keep, n_discard)
+    ctx.memory.seq_rm(seq_id, n_keep, n_keep + n_discard)
+    ctx.memory.seq_add(seq_id, n_keep + n_discard, n_past, -n_discard)
+    log.debug("after swap: n_past = %d", n_past - n_discard)
+    return ContextShift(seq_id, n_past, n_keep, n_left, n_discard)
 
 
 class Generator:
     """Generates text for one or several sequences of a context, one decode per step for all of them."""
 
-    def __init__(self, ctx: Context, params: SamplerParams | None = None) -> None:
+    def __init__(self, ctx: Context, params: SamplerParams | None = None, *, context_shift: bool = False,
+                 n_keep: int = 0) -> None:
+        """context_shift, n_keep: llama.cpp's --context-shift and --keep (see the module docstring)."""
         if ctx.model.tokenizer is None:
             raise KvscopeError("this model has no tokenizer; generation needs one")
         self.ctx = ctx
@@ -51,6 +104,13 @@ class Generator:
         self.sampler = Sampler(params or SamplerParams())
         self.t_sample_ms = 0.0
         self.n_sample = 0
+        self.n_keep = int(n_keep)
+        self.context_shift = bool(context_shift)
+        if self.context_shift and not ctx.memory.can_shift():
+            log.warning("common_init_from_params: KV cache shifting is not supported for this context, "
+                        "disabling KV cache shifting")
+            self.context_shift = False
+        self.shifts: list[ContextShift] = []  # every context shift, in order
 
     def generate(self, prompt: str | Sequence[int], n_predict: int = 64, *, seq_id: int = 0,
                  on_text: TextCallback | None = None) -> SequenceResult:
@@ -96,11 +156,17 @@ class Generator:
         self._sample_all(active, torch.stack(first_logits), on_text)
         for _ in range(n_predict - 1):
             active = [r for r in active if not self._finished(r, n_predict)]
+            if self.context_shift:
+                active = self._make_room(active)
             if not active:
                 break
-            batch = Batch([r.last_token for r in active], [r.next_pos for r in active],
-                          [[r.result.seq_id] for r in active], [True] * len(active))
-            rc = self.ctx.decode(batch)
+            while True:
+                batch = Batch([r.last_token for r in active], [r.next_pos for r in active],
+                              [[r.result.seq_id] for r in active], [True] * len(active))
+                rc = self.ctx.decode(batch)
+                if rc == 1 and self.context_shift and self._shift_longest(active):
+                    continue  # llama.cpp would only see the failure; shifting frees cells, so retry
+                break
             if rc != 0:
                 self._stop_all(active, rc)
                 break
@@ -124,7 +190,8 @@ class Generator:
         self.sampler.reset(seq_id)
         self.sampler.accept(tokens, seq_id)
         result = SequenceResult(seq_id, tokens)
-        return _Running(result, 0, self.tokenizer.stream(context_ids=tokens))
+        n_keep = resolve_n_keep(self.n_keep, len(tokens), bool(self.tokenizer.add_bos))
+        return _Running(result, 0, self.tokenizer.stream(context_ids=tokens), n_keep=n_keep)
 
     def _prefill(self, running: list[_Running]) -> list[torch.Tensor] | None:
         """Decode every prompt, in batches of at most n_batch tokens; the last token of each is an
@@ -167,6 +234,35 @@ class Generator:
                     on_text(r.result.seq_id, piece)
             if bus.active:
                 bus.publish(ev.TokenSampled(r.result.seq_id, token, piece, r.next_pos))
+
+    # ---- context shift ------------------------------------------------------------------------
+    def _make_room(self, active: list[_Running]) -> list[_Running]:
+        """Shift every sequence whose next token would fill its context (llama-completion:
+        n_past + 1 >= n_ctx); a sequence that cannot shift stops with "context_full"."""
+        n_ctx_seq = self.ctx.params.n_ctx_seq
+        for r in active:
+            if r.next_pos + 1 >= n_ctx_seq and not self._shift(r):
+                log.warning("seq %d: context full and nothing left to discard (n_past = %d, n_keep = %d) => "
+                            "stopping", r.result.seq_id, r.next_pos, r.n_keep)
+                r.result.stop_reason = "context_full"
+        return [r for r in active if not r.result.stop_reason]
+
+    def _shift(self, r: _Running) -> bool:
+        shift = context_shift(self.ctx, r.result.seq_id, r.next_pos, r.n_keep)
+        if shift is None:
+            return False
+        r.next_pos -= shift.n_discard
+        r.result.context_shifts.append(shift)
+        self.shifts.append(shift)
+        return True
+
+    def _shift_longest(self, active: list[_Running]) -> bool:
+        """After a decode found no slot: shift the sequence with the most discardable positions
+        (ties: the lowest seq id). False when no sequence can shift."""
+        for r in sorted(active, key=lambda r: (-(r.next_pos - r.n_keep), r.result.seq_id)):
+            if self._shift(r):
+                return True
+        return False
 
     @staticmethod
     def _finished(r: _Running, n_predict: int) -> bool:

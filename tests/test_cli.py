@@ -44,5 +44,10 @@ def test_bad_model_path_is_a_clear_error(tmp_path, capsys):
 def test_console_script_is_installed():
     proc = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0
-    for flag in ("-ctk", "-ub", "-np", "-kvu", "--pad", "--temp", "--top-k", "--min-p", "--repeat-penalty"):
+    for flag in ("-ctk", "-ub", "-np", "-kvu", "--pad", "--temp", "--top-k", "--min-p", "--repeat-penalty",
+                 "--context-shift", "--keep"):
+        assert flag in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "engine.cli", "parallel", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0
+    for flag in ("-np", "-ns", "--sequences", "-kvu", "-c", "-b", "-ub", "--pad", "--seed", "--temp"):
         assert flag in proc.stdout

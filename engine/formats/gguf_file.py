@@ -2,8 +2,26 @@
 
 A GGUF holds metadata (hyper-parameters, the tokenizer) and tensors named the llama.cpp way
 (`blk.0.attn_q.weight`), possibly quantized. `read_gguf` returns float32 torch tensors renamed to
-the Hugging Face names the rest of kvscope uses, with llama.cpp's Q/K row permutation undone, and
-a `ModelConfig` built from the metadata. Every failure is a `ModelFileError` naming the file.
+the Hugging Face names the rest of kvscope uses, with llama.cpp's Q/K row permutation undone (llama
+only: qwen2 and Gemma are stored unpermuted), and a `ModelConfig` built from the metadata the way
+llama.cpp's llama_model::load_hparams reads it. Every failure is a `ModelFileError` naming the file.
+
+Architectures and their keys:
+- gemma3: `gemma3.attention.sliding_window` (absent or 0: no sliding window, as in llama.cpp), layer
+  pattern 6 (il % 6 < 5 slides), `rope.freq_base` for full-attention layers and 10000 for sliding
+  ones (llama.cpp hard-codes it), optional `rope.scaling.type` linear on full-attention layers,
+  optional `final_logit_softcapping`, tensors attn_q_norm/attn_k_norm/post_attention_norm/
+  post_ffw_norm, no output.weight (tied).
+- gemma2: `gemma2.attention.sliding_window` (default 4096), pattern 2 (even layers slide),
+  `attn_logit_softcapping` (default 50) and `final_logit_softcapping` (default 30).
+- Gemma norm weights are stored as 1 + w (the converter adds 1); they are kept that way, which is
+  also what the Hugging Face reader produces (engine/formats/hf_folder.py).
+- Gemma's attention scale is not in the file: as llama.cpp, 1/sqrt(head_dim), except the 27B
+  models (gemma2 46 layers, gemma3 62 layers), which use 1/sqrt(n_embd / n_head).
+- A Mistral model converts to the llama architecture; its sliding window is not written, and llama.cpp
+  ignores `llama.attention.sliding_window` if a file has it. kvscope does the same: a llama GGUF
+  always runs with full attention (a warning names an ignored window), so a Mistral GGUF matches
+  its Hugging Face folder only while the context is no longer than the window.
 
 Example:
     contents = read_gguf("tiny.gguf")
@@ -26,6 +44,9 @@ from engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScali
 logger = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
+
+# llama.cpp architecture names kvscope reads from GGUF (Mistral models are "llama" there).
+GGUF_ARCHITECTURES = tuple(a for a in SUPPORTED_ARCHITECTURES if a != "mistral")
 
 # Storage types kvscope dequantizes; others (IQ*, Q2_K, ...) are refused with a clear message.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
@@ -51,6 +72,22 @@ _GLOBAL_TENSOR_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# Gemma's per-layer norms: llama.cpp's ffn_norm is the norm before the MLP (HF pre_feedforward_layernorm),
+# post_attention_norm the norm of the attention output (HF post_attention_layernorm).
+_GEMMA_LAYER_TENSOR_NAMES = {
+    **_LAYER_TENSOR_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+_LAYER_NAMES_BY_ARCH = {"gemma2": _GEMMA_LAYER_TENSOR_NAMES, "gemma3": _GEMMA_LAYER_TENSOR_NAMES}
+# layer pattern of llama.cpp's set_swa_pattern(n) for the architectures with sliding windows
+GGUF_SWA_PATTERNS = {"gemma2": 2, "gemma3": 6}
+GEMMA2_DEFAULT_SWA = 4096  # llama.cpp's default when gemma2.attention.sliding_window is absent
+GEMMA3_ROPE_BASE_SWA = 10000.0  # llama.cpp's hard-coded RoPE base of gemma3's sliding layers
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _LAYER_NAME_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
@@ -69,15 +106,15 @@ class GGUFContents:
     metadata: dict[str, Any]
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a llama.cpp tensor name, or None if kvscope has no use for it."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face name of a llama.cpp tensor name of `arch`, or None if kvscope has no use for it."""
     if gguf_name in _GLOBAL_TENSOR_NAMES:
         return _GLOBAL_TENSOR_NAMES[gguf_name]
     match = _LAYER_NAME_RE.match(gguf_name)
     if match is None:
         return None
     layer, suffix = match.groups()
-    hf_suffix = _LAYER_TENSOR_NAMES.get(suffix)
+    hf_suffix = _LAYER_NAMES_BY_ARCH.get(arch, _LAYER_TENSOR_NAMES).get(suffix)
     return None if hf_suffix is None else f"model.layers.{layer}.{hf_suffix}"
 
 
@@ -170,9 +207,10 @@ def _arch_of(metadata: dict[str, Any], path: str | Path) -> str:
     arch = metadata.get("general.architecture")
     if not isinstance(arch, str):
         raise ModelFileError(f"{path}: GGUF has no general.architecture key; is it a model file?")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in GGUF_ARCHITECTURES:
+        hint = " (llama.cpp's converter writes Mistral models as 'llama')" if arch.startswith("mistral") else ""
         raise UnsupportedArchitectureError(
-            f"{path}: architecture {arch!r} is not supported; kvscope runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{path}: architecture {arch!r} is not supported{hint}; kvscope runs {', '.join(GGUF_ARCHITECTURES)}"
         )
     return arch
 
@@ -212,6 +250,64 @@ def _rope_scaling_from_metadata(metadata: dict[str, Any], arch: str, path: str |
     )
 
 
+def swa_pattern_layers(n_layer: int, n_pattern: int, dense_first: bool = False) -> tuple[bool, ...]:
+    """llama.cpp's llama_hparams::set_swa_pattern: n 0 -> every layer slides, 1 -> none; otherwise
+    layer il slides iff il % n < n - 1 (dense_first: iff il % n != 0)."""
+    if n_pattern == 0:
+        return (True,) * n_layer
+    if n_pattern == 1:
+        return (False,) * n_layer
+    if dense_first:
+        return tuple(il % n_pattern != 0 for il in range(n_layer))
+    return tuple(il % n_pattern < n_pattern - 1 for il in range(n_layer))
+
+
+def _arch_hparams(metadata: dict[str, Any], arch: str, n_layer: int, n_embd: int, n_head: int, head_dim: int,
+                  path: str | Path) -> dict[str, Any]:
+    """The ModelConfig fields llama.cpp reads per architecture: sliding window and layer pattern,
+    the sliding layers' RoPE base, soft-caps, attention scale, activation."""
+    from engine.kv.swa import SwaType
+
+    fields: dict[str, Any] = {}
+    base_swa = metadata.get(f"{arch}.rope.freq_base_swa")
+    if arch in GGUF_SWA_PATTERNS:
+        default_swa = GEMMA2_DEFAULT_SWA if arch == "gemma2" else 0
+        n_swa = int(metadata.get(f"{arch}.attention.sliding_window", default_swa) or 0)
+        if n_swa > 0:
+            fields.update(n_swa=n_swa, swa_type=int(SwaType.STANDARD),
+                          swa_layers=swa_pattern_layers(n_layer, GGUF_SWA_PATTERNS[arch]))
+        if arch == "gemma3":
+            if base_swa is not None and _float(base_swa) != GEMMA3_ROPE_BASE_SWA:
+                logger.warning("%s: ignoring %s.rope.freq_base_swa = %s; llama.cpp uses %s for gemma3's sliding layers",
+                               path, arch, base_swa, GEMMA3_ROPE_BASE_SWA)
+            fields["rope_theta_swa"] = GEMMA3_ROPE_BASE_SWA
+            fields["attn_softcap"] = 0.0  # removed in Gemma 3
+            fields["final_softcap"] = _float(metadata.get(f"{arch}.final_logit_softcapping", 0.0))
+        else:
+            if base_swa is not None:
+                fields["rope_theta_swa"] = _float(base_swa)
+            fields["attn_softcap"] = _float(metadata.get(f"{arch}.attn_logit_softcapping", 50.0))
+            fields["final_softcap"] = _float(metadata.get(f"{arch}.final_logit_softcapping", 30.0))
+        # llama.cpp: 1/sqrt(n_embd / n_head) for the 27B models, else 1/sqrt(head_dim)
+        fields["query_pre_attn_scalar"] = float(n_embd // n_head if n_layer == _GEMMA_27B_LAYERS[arch] else head_dim)
+        fields["hidden_act"] = "gelu_tanh"
+    elif metadata.get(f"{arch}.attention.sliding_window"):
+        logger.warning("%s: ignoring %s.attention.sliding_window = %s: llama.cpp runs the %s architecture with "
+                       "full attention, and so does kvscope", path, arch,
+                       metadata[f"{arch}.attention.sliding_window"], arch)
+    return fields
+
+
+def _linear_rope_scale(metadata: dict[str, Any], arch: str, path: str | Path) -> float:
+    """gemma3's `rope.scaling.type` linear (full-attention layers only): llama.cpp's freq_scale, 1 / factor."""
+    if metadata.get(f"{arch}.rope.scaling.type") != "linear":
+        return 1.0
+    factor = _float(metadata.get(f"{arch}.rope.scaling.factor", 1.0))
+    if factor <= 0:
+        raise ModelFileError(f"{path}: rope scaling factor must be positive, got {factor}")
+    return 1.0 / factor
+
+
 def _eos_ids_from_metadata(metadata: dict[str, Any]) -> tuple[int, ...]:
     """eos first, then end-of-turn / end-of-message ids, each once (llama.cpp's EOG set)."""
     ids: list[int] = []
@@ -244,6 +340,7 @@ def config_from_gguf_metadata(
     arch = _arch_of(metadata, path)
     n_embd = int(_require(metadata, f"{arch}.embedding_length", path))
     n_head = int(_require(metadata, f"{arch}.attention.head_count", path))
+    n_layer = int(_require(metadata, f"{arch}.block_count", path))
     n_head_kv = int(metadata.get(f"{arch}.attention.head_count_kv", n_head))
     head_dim = int(metadata.get(f"{arch}.attention.key_length", n_embd // n_head))
     tokens = metadata.get("tokenizer.ggml.tokens")
@@ -258,12 +355,17 @@ def config_from_gguf_metadata(
     extra: dict[str, Any] = {}
     if rope_freqs is not None:
         extra["rope_freqs"] = rope_freqs
+    arch_fields = _arch_hparams(metadata, arch, n_layer, n_embd, n_head, head_dim, path)
+    if arch == "gemma3":
+        rope_scaling, arch_fields["rope_freq_scale"] = None, _linear_rope_scale(metadata, arch, path)
+    else:
+        rope_scaling = _rope_scaling_from_metadata(metadata, arch, path)
     try:
         return ModelConfig(
             arch=arch,
             n_vocab=n_vocab,
             n_embd=n_embd,
-            n_layer=int(_require(metadata, f"{arch}.block_count", path)),
+            n_layer=n_layer,
             n_head=n_head,
             n_head_kv=n_head_kv,
             head_dim=head_dim,
@@ -273,12 +375,13 @@ def config_from_gguf_metadata(
             n_ctx_train=int(_require(metadata, f"{arch}.context_length", path)),
             tie_word_embeddings=not has_output,
             attention_bias=has_attention_bias,
-            rope_scaling=_rope_scaling_from_metadata(metadata, arch, path),
+            rope_scaling=rope_scaling,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=_eos_ids_from_metadata(metadata),
             add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", default_add_bos)),
             name=str(metadata.get("general.name", "")),
             extra=extra,
+            **arch_fields,
         )
     except ValueError as exc:  # ModelConfig's own checks (e.g. n_head not a multiple of n_head_kv)
         raise ModelFileError(f"{path}: inconsistent hyper-parameters: {exc}") from exc
@@ -312,7 +415,8 @@ def dequantize_tensor(reader_tensor: Any, path: str | Path) -> torch.Tensor:
 
 
 def _undo_permutation(tensors: dict[str, torch.Tensor], config: ModelConfig) -> None:
-    """llama.cpp permutes Q/K rows (weights and biases) of llama models only; qwen2 is stored as is."""
+    """llama.cpp permutes Q/K rows (weights and biases) of llama models only (Mistral included, which
+    converts to llama); qwen2, gemma2 and gemma3 are stored as is."""
     if config.arch != "llama":
         return
     for name in list(tensors):
@@ -343,7 +447,7 @@ def read_gguf(path: str | Path) -> GGUFContents:
     path = Path(path)
     reader = open_gguf(path)
     metadata = metadata_from_reader(reader, path)
-    _arch_of(metadata, path)  # fail on the architecture before decoding any tensor
+    arch = _arch_of(metadata, path)  # fail on the architecture before decoding any tensor
     tensors: dict[str, torch.Tensor] = {}
     tensor_types: dict[str, str] = {}
     rope_freqs: torch.Tensor | None = None
@@ -351,7 +455,7 @@ def read_gguf(path: str | Path) -> GGUFContents:
         if rt.name == ROPE_FREQS_TENSOR:
             rope_freqs = dequantize_tensor(rt, path)
             continue
-        hf_name = hf_tensor_name(rt.name)
+        hf_name = hf_tensor_name(rt.name, arch)
         if hf_name is None:
             logger.warning("%s: skipping tensor %r, which kvscope does not use", path, rt.name)
             continue

@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 
 from engine.errors import ContextParamsError
+from engine.kv import quant
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,11 @@ CACHE_TYPES: dict[str, CacheType] = {
     "f16": CacheType("f16", 1, 2, torch.float16),
     "bf16": CacheType("bf16", 1, 2, torch.bfloat16),
 }
+# ggml's quantized types that llama.cpp accepts for the KV cache (-ctk/-ctv), in its order.
+for _name in ("q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"):
+    _q, _dq = quant.QUANTIZERS[_name]
+    CACHE_TYPES[_name] = CacheType(_name, quant.QK, quant.BLOCK_BYTES[_name], None, quantize=_q, dequantize=_dq)
+del _name, _q, _dq
 
 
 def cache_type(name: str) -> CacheType:

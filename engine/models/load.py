@@ -73,13 +73,22 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (c.n_ff, c.n_embd),
             p + "mlp.down_proj.weight": (c.n_embd, c.n_ff),
         }
+        if c.is_gemma:
+            # a norm before and after attention and MLP (post_attention_layernorm is the norm of the
+            # attention output here, not the one before the MLP as in llama)
+            shapes |= {
+                p + "pre_feedforward_layernorm.weight": (c.n_embd,),
+                p + "post_feedforward_layernorm.weight": (c.n_embd,),
+            }
+        if c.has_qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)}
         if c.attention_bias:
             shapes |= {
                 p + "self_attn.q_proj.bias": (q_rows,),
                 p + "self_attn.k_proj.bias": (kv_rows,),
                 p + "self_attn.v_proj.bias": (kv_rows,),
             }
-            if c.arch == "llama":  # HF llama's attention_bias covers o_proj too; qwen2's o_proj has none
+            if c.arch != "qwen2":  # HF's attention_bias covers o_proj too; qwen2's o_proj has none
                 shapes[p + "self_attn.o_proj.bias"] = (c.n_embd,)
     return shapes
 

@@ -1,8 +1,17 @@
-"""A decoder-only transformer for the llama family (llama, qwen2) in plain PyTorch.
+"""A decoder-only transformer for the llama family (llama, qwen2, mistral) and Gemma (gemma2,
+gemma3 text) in plain PyTorch.
 
 The model knows nothing about cells or streams: per ubatch it gets token ids, positions and an
 attention object that stores this ubatch's K/V in the cache and hands back every visible K/V row
-with the KQ mask.
+with the KQ mask (each layer's own: sliding-window layers get the window's mask).
+
+Gemma, as Hugging Face computes it: the embedding is multiplied by sqrt(n_embd) rounded to the
+compute dtype; every RMSNorm multiplies in float32 by a weight that already holds 1 + w (the value
+llama.cpp's converter stores; HF folders get the +1 when read) and then casts; a norm before and
+after attention and MLP; gelu-tanh gated MLP; gemma3 normalises each Q/K head before RoPE; the
+attention scale is query_pre_attn_scalar ** -0.5. gemma2 soft-caps the attention logits before
+masking (tanh(x / c) * c), which scaled_dot_product_attention cannot do, so that arch computes
+attention explicitly; the final logits are soft-capped in float32.
 """
 from __future__ import annotations
 
@@ -40,9 +49,15 @@ class LayerWeights:
     wqkv: torch.Tensor  # n_embd -> (n_head + 2 n_head_kv) * head_dim, column-blocked (see input_major)
     bqkv: torch.Tensor | None
     wo: torch.Tensor  # n_head * head_dim -> n_embd
+    bo: torch.Tensor | None
     ffn_norm: torch.Tensor
     w_gate_up: torch.Tensor  # n_embd -> 2 n_ff
     w_down: torch.Tensor  # n_ff -> n_embd
+    # Gemma only (float32, holding 1 + w): norms of the attention and MLP outputs, Q/K head norms (gemma3)
+    post_attn_norm: torch.Tensor | None = None
+    post_ffn_norm: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 def input_major(weight: torch.Tensor, dtype: torch.dtype, n_split: int) -> torch.Tensor:
@@ -70,9 +85,41 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm: normalise in float32, cast, then multiply by the weight in the compute dtype."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: normalise and multiply by the float32 weight (1 + w) in float32, then cast."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight).to(x.dtype)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """tanh(x / cap) * cap, as HF writes it."""
+    return torch.tanh(x / cap) * cap
+
+
+def softcapped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                         scale: float, cap: float) -> torch.Tensor:
+    """Attention with soft-capped logits (gemma2), computed as HF's eager attention does.
+
+    q [G, H, Tg, D]; keys, values [G, Hkv, n_kv, D]; mask [G, 1, Tg, n_kv] (True = attend).
+    Query head h reads KV head h // (H / Hkv): the query heads of a group are stacked along the
+    token axis so that K and V are never copied per head. Returns [G, H, Tg, D]."""
+    G, H, Tg, D = q.shape
+    Hkv = keys.shape[1]
+    n_rep = H // Hkv
+    qg = q.reshape(G, Hkv, n_rep * Tg, D)
+    scores = (qg @ keys.transpose(-1, -2)) * scale  # [G, Hkv, n_rep * Tg, n_kv]
+    scores = softcap(scores, cap).view(G, Hkv, n_rep, Tg, -1)
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = probs.view(G, Hkv, n_rep * Tg, -1) @ values  # [G, Hkv, n_rep * Tg, D]
+    return out.view(G, H, Tg, D)
 
 
 class Transformer:
@@ -86,8 +133,19 @@ class Transformer:
         def w(name: str) -> torch.Tensor:
             return tensors[name].to(dtype).contiguous()
 
+        gemma = config.is_gemma
+
+        def norm_w(name: str) -> torch.Tensor:
+            # Gemma norms multiply in float32 (HF: output * (1.0 + weight.float())), so keep them float32
+            return tensors[name].to(torch.float32).contiguous() if gemma else w(name)
+
+        self._norm = gemma_rms_norm if gemma else rms_norm
+        self._act = (lambda g: F.gelu(g, approximate="tanh")) if config.hidden_act == "gelu_tanh" else F.silu
+        # HF multiplies by sqrt(hidden_size) as a tensor of the compute dtype
+        self.embd_scale = torch.tensor(config.n_embd ** 0.5, dtype=dtype) if gemma else None
+        self.attn_scale = config.attn_scale if config.query_pre_attn_scalar is not None else None
         self.tok_embd = w("model.embed_tokens.weight")
-        self.norm = w("model.norm.weight")
+        self.norm = norm_w("model.norm.weight")
         # Tied embeddings stay [n_vocab, n_embd] and go through F.linear rather than being copied.
         n_split = max(1, torch.get_num_threads())
         self.lm_head_t = None if config.tie_word_embeddings else input_major(tensors["lm_head.weight"], dtype, n_split)
@@ -96,15 +154,23 @@ class Transformer:
             p = f"model.layers.{i}.self_attn."
             m = f"model.layers.{i}.mlp."
             biases = [tensors.get(p + f"{x}_proj.bias") for x in "qkv"]
+            ln = f"model.layers.{i}."
             self.layers.append(LayerWeights(
-                attn_norm=w(f"model.layers.{i}.input_layernorm.weight"),
+                attn_norm=norm_w(ln + "input_layernorm.weight"),
                 wqkv=input_major(torch.cat([tensors[p + f"{x}_proj.weight"] for x in "qkv"]), dtype, n_split),
                 bqkv=None if biases[0] is None else torch.cat(biases).to(dtype),
                 wo=input_major(tensors[p + "o_proj.weight"], dtype, n_split),
-                ffn_norm=w(f"model.layers.{i}.post_attention_layernorm.weight"),
+                bo=None if p + "o_proj.bias" not in tensors else w(p + "o_proj.bias"),
+                # llama: the norm before the MLP is HF's post_attention_layernorm; Gemma names it
+                # pre_feedforward_layernorm and uses post_attention_layernorm on the attention output
+                ffn_norm=norm_w(ln + ("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight")),
                 w_gate_up=input_major(torch.cat([tensors[m + "gate_proj.weight"], tensors[m + "up_proj.weight"]]),
                                       dtype, n_split),
                 w_down=input_major(tensors[m + "down_proj.weight"], dtype, n_split),
+                post_attn_norm=norm_w(ln + "post_attention_layernorm.weight") if gemma else None,
+                post_ffn_norm=norm_w(ln + "post_feedforward_layernorm.weight") if gemma else None,
+                q_norm=norm_w(p + "q_norm.weight") if config.has_qk_norm else None,
+                k_norm=norm_w(p + "k_norm.weight") if config.has_qk_norm else None,
             ))
         self._qkv_split = (config.n_head * config.head_dim, config.n_embd_k_gqa, config.n_embd_v_gqa)
 
@@ -122,24 +188,45 @@ class Transformer:
         cfg = self.config
         T = tokens.shape[0]
         G = attn.n_groups
+        norm, eps = self._norm, cfg.rms_norm_eps
         x = self.tok_embd[tokens]  # [T, C]
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        if self.embd_scale is not None:
+            x = x * self.embd_scale
+        tables = self.rotary.tables(positions, self.dtype)
+        layer_table = self.rotary.layer_table
         for il, layer in enumerate(self.layers):
             if should_abort is not None and should_abort():
                 raise DecodeAborted(f"aborted before layer {il}")
-            h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+            cos, sin = tables[layer_table[il]]
+            h = norm(x, layer.attn_norm, eps)
             q, k, v = project(h, layer.wqkv, layer.bqkv).split(self._qkv_split, dim=-1)
             q = q.view(T, cfg.n_head, cfg.head_dim)
             k = k.view(T, cfg.n_head_kv, cfg.head_dim)
+            if layer.q_norm is not None:
+                q = norm(q, layer.q_norm, eps)
+                k = norm(k, layer.k_norm, eps)
             q = Rotary.apply(q, cos, sin)
             k = Rotary.apply(k, cos, sin)
             keys, values, mask = attn.store_and_load(il, k.reshape(T, -1), v, self.dtype)  # [G, Hkv, n_kv, D]
             q = q.view(G, T // G, cfg.n_head, cfg.head_dim).transpose(1, 2)  # [G, H, T/G, D]
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-            x = x + project(o.transpose(1, 2).reshape(T, cfg.n_head * cfg.head_dim), layer.wo)
-            h = rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
+            if cfg.attn_softcap:
+                o = softcapped_attention(q, keys, values, mask, cfg.attn_scale, cfg.attn_softcap)
+            else:
+                o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True,
+                                                   scale=self.attn_scale)
+            o = project(o.transpose(1, 2).reshape(T, cfg.n_head * cfg.head_dim), layer.wo, layer.bo)
+            if layer.post_attn_norm is not None:
+                o = norm(o, layer.post_attn_norm, eps)
+            x = x + o
+            h = norm(x, layer.ffn_norm, eps)
             gate, up = project(h, layer.w_gate_up).chunk(2, dim=-1)
-            x = x + project(F.silu(gate) * up, layer.w_down)
-        x = rms_norm(x[output_rows], self.norm, cfg.rms_norm_eps)
+            h = project(self._act(gate) * up, layer.w_down)
+            if layer.post_ffn_norm is not None:
+                h = norm(h, layer.post_ffn_norm, eps)
+            x = x + h
+        x = norm(x[output_rows], self.norm, eps)
         logits = F.linear(x, self.tok_embd) if self.lm_head_t is None else project(x, self.lm_head_t)
-        return logits.float()
+        logits = logits.float()
+        if cfg.final_softcap:
+            logits = softcap(logits, cfg.final_softcap)
+        return logits

@@ -2,6 +2,7 @@
 from engine.testing.tiny_models import (
     TINY_CORPUS,
     TINY_TEST_SHAPE,
+    WRITABLE_ARCHITECTURES,
     train_tiny_tokenizer,
     write_gguf_from_hf,
     write_hf_model,
@@ -11,6 +12,7 @@ from engine.testing.tiny_models import (
 __all__ = [
     "TINY_CORPUS",
     "TINY_TEST_SHAPE",
+    "WRITABLE_ARCHITECTURES",
     "train_tiny_tokenizer",
     "write_gguf_from_hf",
     "write_hf_model",

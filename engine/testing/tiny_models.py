@@ -1,11 +1,14 @@
 """Tiny models written from scratch, for tests, benchmarks and the CLI demo (nothing is downloaded).
 
 - `train_tiny_tokenizer`: a byte-level BPE trained on `TINY_CORPUS`, with "<s>" and "</s>".
-- `write_hf_model`: a random-weight LlamaForCausalLM / Qwen2ForCausalLM folder (safetensors).
+- `write_hf_model`: a random-weight LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM /
+  Gemma2ForCausalLM / Gemma3ForCausalLM (text) folder (safetensors); the sliding-window archs get a
+  small window (8 by default) so that short tests slide.
 - `write_gguf_from_hf`: its GGUF twin, converted the way llama.cpp's convert_hf_to_gguf.py does
-  (names from gguf's own TensorNameMap, Q/K permutation for llama, gpt2 tokenizer metadata). It
-  reads the folder with json/safetensors directly, not with kvscope's reader, so that comparing the
-  two readers is a real check.
+  (names from gguf's own TensorNameMap, Q/K permutation for llama and Mistral, which becomes a
+  llama-architecture file without its window; Gemma: no permutation, norm weights + 1, sliding
+  window and soft-cap keys; gpt2 tokenizer metadata). It reads the folder with json/safetensors
+  directly, not with kvscope's reader, so that comparing the two readers is a real check.
 - `write_tiny_llama_demo`: both, small enough for a CLI demo.
 """
 from __future__ import annotations
@@ -28,6 +31,12 @@ BOS_TOKEN, EOS_TOKEN = "<s>", "</s>"
 # Shape of the test suite's tiny models (tests/conftest.py); multiples of 32 so Q8_0 works.
 TINY_TEST_SHAPE: dict[str, int] = dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, vocab_size=512)
 TensorType = Literal["F32", "F16", "Q8_0", "mixed"]
+Arch = Literal["llama", "qwen2", "mistral", "gemma2", "gemma3"]
+WRITABLE_ARCHITECTURES = ("llama", "qwen2", "mistral", "gemma2", "gemma3")
+# config.json model_type -> the architecture llama.cpp's converter writes
+GGUF_ARCH_OF_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "mistral": "llama", "gemma2": "gemma2",
+                           "gemma3_text": "gemma3"}
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 
 TINY_CORPUS = """\
 The lighthouse keeper woke before the sun, as he had done for thirty years. He climbed the narrow
@@ -124,17 +133,18 @@ def _rope_parameters(rope_theta: float, rope_scaling: RopeScaling | dict | None)
 
 
 @torch.no_grad()
-def _init_weights(model: torch.nn.Module, seed: int, *, tied: bool) -> None:
+def _init_weights(model: torch.nn.Module, seed: int, *, tied: bool, norm_center: float = 1.0) -> None:
     """Re-draw every weight so that logits are peaked but not degenerate.
 
     transformers' default init (std 0.02) gives near-uniform logits on a tiny model, which hides
     bugs; 1/sqrt(fan_in) keeps activations O(1), and norm weights around 1 (not exactly 1) make a
-    mixed-up norm visible. A tied embedding is also the head, so it gets the head's scale.
+    mixed-up norm visible (Gemma multiplies by 1 + w, so its norm weights are drawn around
+    norm_center 0). A tied embedding is also the head, so it gets the head's scale.
     """
     g = torch.Generator().manual_seed(seed)
     for name, p in sorted(model.named_parameters()):
         if name.endswith("norm.weight"):
-            p.copy_(1.0 + 0.2 * (torch.rand(p.shape, generator=g) - 0.5))
+            p.copy_(norm_center + 0.2 * (torch.rand(p.shape, generator=g) - 0.5))
         elif name.endswith("bias"):
             p.copy_(0.1 * torch.randn(p.shape, generator=g))
         elif "embed_tokens" in name and not tied:
@@ -147,18 +157,63 @@ def _init_weights(model: torch.nn.Module, seed: int, *, tied: bool) -> None:
 
 
 def _hf_config(arch: str, **kwargs: Any) -> Any:
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+    )
 
     if arch == "llama":
         return LlamaConfig(architectures=["LlamaForCausalLM"], **kwargs)
     if arch == "qwen2":
         return Qwen2Config(architectures=["Qwen2ForCausalLM"], **kwargs)
-    raise ValueError(f"arch {arch!r} is not one write_hf_model builds; use 'llama' or 'qwen2'")
+    if arch == "mistral":
+        return MistralConfig(architectures=["MistralForCausalLM"], **kwargs)
+    if arch == "gemma2":
+        return Gemma2Config(architectures=["Gemma2ForCausalLM"], **kwargs)
+    if arch == "gemma3":
+        return Gemma3TextConfig(architectures=["Gemma3ForCausalLM"], **kwargs)
+    raise ValueError(f"arch {arch!r} is not one write_hf_model builds; use one of {', '.join(WRITABLE_ARCHITECTURES)}")
+
+
+def _model_class(arch: str) -> Any:
+    import transformers
+
+    names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+             "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+    return getattr(transformers, names[arch])
+
+
+def _arch_kwargs(arch: str, *, head_dim: int, n_layer: int, rope_theta: float, rope_theta_swa: float,
+                 rope_scaling: RopeScaling | dict | None, sliding_window: int | None,
+                 attn_softcap: float | None, final_softcap: float | None) -> dict[str, Any]:
+    """The config arguments that differ between architectures."""
+    if arch in ("llama", "qwen2"):
+        return {"rope_parameters": _rope_parameters(rope_theta, rope_scaling)}
+    if arch == "mistral":
+        return {"rope_parameters": _rope_parameters(rope_theta, rope_scaling), "head_dim": head_dim,
+                "sliding_window": sliding_window}
+    if rope_scaling is not None:
+        raise ValueError(f"write_hf_model: rope_scaling is not available for {arch}")
+    gemma = {"head_dim": head_dim, "query_pre_attn_scalar": head_dim, "sliding_window": sliding_window,
+             "hidden_activation": "gelu_pytorch_tanh", "pad_token_id": None}
+    if arch == "gemma2":
+        return {**gemma, "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+                "attn_logit_softcapping": 50.0 if attn_softcap is None else attn_softcap,
+                "final_logit_softcapping": 30.0 if final_softcap is None else final_softcap}
+    if attn_softcap:
+        raise ValueError("write_hf_model: Gemma 3 has no attention soft-capping")
+    return {**gemma, "final_logit_softcapping": final_softcap or None,
+            "layer_types": ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n_layer)],
+            "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": rope_theta_swa},
+                                "full_attention": {"rope_type": "default", "rope_theta": rope_theta}}}
 
 
 def write_hf_model(
     folder: str | Path,
-    arch: Literal["llama", "qwen2"] = "llama",
+    arch: Arch = "llama",
     *,
     n_layer: int = 2,
     n_embd: int = 64,
@@ -170,16 +225,34 @@ def write_hf_model(
     rope_theta: float = 10000.0,
     rope_scaling: RopeScaling | dict | None = None,
     n_ctx_train: int = 2048,
-    tie: bool = False,
+    tie: bool | None = None,
     max_shard_size: int | str | None = None,
+    sliding_window: int | None = 8,
+    rope_theta_swa: float = 10000.0,
+    attn_softcap: float | None = None,
+    final_softcap: float | None = None,
 ) -> Path:
     """Write a random-weight float32 Hugging Face model folder with a tiny trained tokenizer.
 
     Args:
         folder: where to write (created); its name becomes the model name.
-        arch: "llama" (LlamaForCausalLM) or "qwen2" (Qwen2ForCausalLM, with q/k/v biases).
-        rope_scaling: llama3-style scaling, as a RopeScaling or a dict of its fields.
-        tie: share the embedding with the output head (no lm_head.weight is written).
+        arch: "llama" (LlamaForCausalLM), "qwen2" (Qwen2ForCausalLM, with q/k/v biases), "mistral"
+            (MistralForCausalLM: every layer slides), "gemma2" (Gemma2ForCausalLM: even layers
+            slide, soft-capping) or "gemma3" (Gemma3ForCausalLM with a Gemma3TextConfig: layer il
+            slides unless il % 6 == 5, as llama.cpp's pattern; Q/K norms).
+        rope_theta: the RoPE base (gemma3: of the full-attention layers).
+        rope_scaling: llama3-style scaling, as a RopeScaling or a dict of its fields (llama family).
+        tie: share the embedding with the output head (no lm_head.weight is written); default:
+            tied for Gemma, untied otherwise.
+        max_shard_size: e.g. "100KB" or bytes; when given, weights are split into shards with
+            model.safetensors.index.json.
+        sliding_window: HF's window W (a query sees W keys, itself included) of mistral, gemma2 and
+            gemma3; None: no sliding window (mistral, gemma2) or none stated (gemma3).
+        rope_theta_swa: gemma3's RoPE base of sliding layers (llama.cpp assumes 10000).
+        attn_softcap, final_softcap: gemma2's soft-caps (default 50 and 30); gemma3's final soft-cap
+            (default none).
+        The other arguments are the hyper-parameters, named as in ModelConfig; Gemma's
+        query_pre_attn_scalar is head_dim, which is what llama.cpp assumes.
         max_shard_size: e.g. "100KB" or bytes; when given, weights are split into shards with
             model.safetensors.index.json.
         The other arguments are the hyper-parameters, named as in ModelConfig.
@@ -187,8 +260,10 @@ def write_hf_model(
     Returns:
         the folder.
     """
-    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
-
+    if arch not in WRITABLE_ARCHITECTURES:
+        raise ValueError(f"arch {arch!r} is not one write_hf_model builds; use one of {', '.join(WRITABLE_ARCHITECTURES)}")
+    gemma = arch in ("gemma2", "gemma3")
+    tie = gemma if tie is None else tie
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tiny_tokenizer(vocab_size)
@@ -202,20 +277,21 @@ def write_hf_model(
         num_key_value_heads=n_head_kv,
         max_position_embeddings=n_ctx_train,
         rms_norm_eps=1e-5,
-        rope_parameters=_rope_parameters(rope_theta, rope_scaling),
         tie_word_embeddings=tie,
         bos_token_id=tokenizer.token_to_id(BOS_TOKEN),
         eos_token_id=tokenizer.token_to_id(EOS_TOKEN),
+        **_arch_kwargs(arch, head_dim=n_embd // n_head, n_layer=n_layer, rope_theta=rope_theta,
+                       rope_theta_swa=rope_theta_swa, rope_scaling=rope_scaling, sliding_window=sliding_window,
+                       attn_softcap=attn_softcap, final_softcap=final_softcap),
     )
-    model_class = LlamaForCausalLM if arch == "llama" else Qwen2ForCausalLM
-    model = model_class(config).to(torch.float32).eval()
-    _init_weights(model, seed, tied=tie)
+    model = _model_class(arch)(config).to(torch.float32).eval()
+    _init_weights(model, seed, tied=tie, norm_center=0.0 if gemma else 1.0)
     save_kwargs: dict[str, Any] = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(folder, **save_kwargs)
     tokenizer.save(str(folder / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": arch == "llama",  # llama adds BOS; qwen2 does not
+        "add_bos_token": arch != "qwen2",  # llama, mistral and Gemma add BOS; qwen2 does not
         "bos_token": BOS_TOKEN,
         "eos_token": EOS_TOKEN,
         "model_max_length": n_ctx_train,
@@ -323,6 +399,8 @@ def _write_metadata(writer: Any, arch: str, config: dict[str, Any], name: str, t
     n_embd, n_head = int(config["hidden_size"]), int(config["num_attention_heads"])
     head_dim = int(config.get("head_dim") or n_embd // n_head)
     rope = config.get("rope_parameters") or {}
+    if "full_attention" in rope:  # gemma3: freq_base is the full-attention layers' (global) base
+        rope = rope["full_attention"]
     file_types = {"F32": 0, "F16": 1, "Q8_0": 7, "mixed": 7}
     writer.add_name(name)
     writer.add_file_type(file_types[tensor_type])
@@ -338,6 +416,27 @@ def _write_metadata(writer: Any, arch: str, config: dict[str, Any], name: str, t
     writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     writer.add_vocab_size(int(config["vocab_size"]))
+
+
+def _write_arch_metadata(writer: Any, model_type: str, config: dict[str, Any]) -> None:
+    """The keys convert_hf_to_gguf.py's Gemma2Model / Gemma3Model add. Mistral (llama architecture)
+    gets none: its sliding window is not written."""
+    import gguf
+
+    if model_type == "gemma2":
+        writer.add_attn_logit_softcapping(float(config["attn_logit_softcapping"]))
+        writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
+        writer.add_sliding_window(int(config["sliding_window"]))
+    elif model_type == "gemma3_text":
+        assert config.get("attn_logit_softcapping") is None, "attn_logit_softcapping is removed in Gemma3"
+        if config.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
+        if config.get("sliding_window_pattern") != 1 and config.get("sliding_window") is not None:
+            writer.add_sliding_window(int(config["sliding_window"]))
+        full = (config.get("rope_parameters") or {}).get("full_attention") or {}
+        if full.get("rope_type") == "linear":  # applies to the global layers only
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(float(full["factor"]))
 
 
 def _write_tokenizer(writer: Any, folder: Path, config: dict[str, Any]) -> None:
@@ -384,8 +483,9 @@ def write_gguf_from_hf(
         gguf_path: the file to write.
         tensor_type: storage of 2-D weights: "F32", "F16", "Q8_0" (inner dim a multiple of 32), or
             "mixed" (F32, F16 and Q8_0 for different tensors). Norms and biases are always F32.
-        permute_qk: apply llama.cpp's Q/K row permutation for llama (False writes a deliberately
-            wrong file, for tests that show the permutation matters).
+        permute_qk: apply llama.cpp's Q/K row permutation for llama and Mistral (False writes a
+            deliberately wrong file, for tests that show the permutation matters). Gemma and qwen2
+            are never permuted.
 
     Returns:
         gguf_path.
@@ -394,19 +494,29 @@ def write_gguf_from_hf(
 
     hf_folder, gguf_path = Path(hf_folder), Path(gguf_path)
     config = json.loads((hf_folder / "config.json").read_text())
-    arch = config["model_type"]
+    model_type = config["model_type"]
+    if model_type not in GGUF_ARCH_OF_MODEL_TYPE:
+        raise ValueError(f"{hf_folder}: write_gguf_from_hf converts {', '.join(GGUF_ARCH_OF_MODEL_TYPE)}, "
+                         f"not {model_type!r}")
+    arch = GGUF_ARCH_OF_MODEL_TYPE[model_type]
+    gemma = model_type in GEMMA_MODEL_TYPES
     n_layer, n_head = int(config["num_hidden_layers"]), int(config["num_attention_heads"])
     n_head_kv = int(config.get("num_key_value_heads") or n_head)
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], n_layer)
 
     writer = gguf.GGUFWriter(str(gguf_path), arch)
     _write_metadata(writer, arch, config, hf_folder.resolve().name, tensor_type)
+    _write_arch_metadata(writer, model_type, config)
     _write_tokenizer(writer, hf_folder, config)
     _write_rope_freqs(writer, config)
     for hf_name, array in sorted(_load_hf_tensors(hf_folder).items()):
+        if gemma and hf_name == "lm_head.weight":
+            continue  # llama.cpp's Gemma models always use the embedding as the head
         gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ValueError(f"{hf_folder}: no llama.cpp name for tensor {hf_name!r}")
+        if gemma and hf_name.endswith("norm.weight"):
+            array = array + np.float32(1.0)  # the converter stores Gemma's 1 + w
         if arch == "llama" and permute_qk and ".q_proj." in hf_name:
             array = _permute(array, n_head)
         elif arch == "llama" and permute_qk and ".k_proj." in hf_name:

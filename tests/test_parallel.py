@@ -1,0 +1,220 @@
+"""The parallel workload (llama.cpp's `parallel` example with continuous batching)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+import engine
+from engine import events as ev
+from engine.cli import main
+from engine.errors import KvscopeError
+from engine.parallel import CONTEXT_EXCEEDED, QUESTIONS, ParallelRunner, Request, make_schedule
+from engine.sampling import SamplerParams
+
+GREEDY = SamplerParams(temperature=0.0, seed=1)
+SAMPLED = SamplerParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7)
+SYSTEM = "The Assistant answers briefly.\n"
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama_gguf):
+    return engine.load_model(tiny_llama_gguf)
+
+
+def new_ctx(model, n_clients=3, **kw):
+    defaults = dict(n_ctx=512, pad=32, n_seq_max=n_clients + 1, kv_unified=True, type_k="f32", type_v="f32",
+                    n_batch=64)
+    defaults.update(kw)
+    return engine.Context(model, **defaults)
+
+
+def run(model, requests, n_clients=3, params=GREEDY, ctx=None, **kw):
+    ctx = ctx or new_ctx(model, n_clients)
+    kw.setdefault("system_prompt", SYSTEM)
+    runner = ParallelRunner(ctx, n_clients, params, **kw)
+    infos = list(runner.steps(requests))
+    return runner, infos, sorted(runner.results, key=lambda r: r.request.id)
+
+
+def test_schedule_is_deterministic_by_seed():
+    a = make_schedule(12, seed=5, n_predict=40, arrival_gap=3)
+    assert a == make_schedule(12, seed=5, n_predict=40, arrival_gap=3)
+    assert a != make_schedule(12, seed=6, n_predict=40, arrival_gap=3)
+    assert [r.id for r in a] == list(range(12))
+    assert all(r.question in QUESTIONS and 10 <= r.n_predict <= 40 for r in a)
+    arrivals = [r.arrival_step for r in a]
+    assert arrivals == sorted(arrivals) and arrivals[-1] > 0
+    assert len({r.n_predict for r in a}) > 1
+    assert all(r.arrival_step == 0 for r in make_schedule(5, seed=5, arrival_gap=0))
+
+
+@pytest.mark.parametrize("kv_unified", [True, False])
+def test_every_request_finishes_and_a_seed_reproduces_the_run(model, kv_unified):
+    requests = make_schedule(7, seed=2, n_predict=12, arrival_gap=2)
+    first = run(model, requests, params=SAMPLED, ctx=new_ctx(model, kv_unified=kv_unified))
+    again = run(model, requests, params=SAMPLED, ctx=new_ctx(model, kv_unified=kv_unified))
+    runner, infos, results = first
+    assert [r.request for r in results] == requests
+    assert all(r.ok and r.stop_reason in ("eog", "length", "stop_word") for r in results)
+    assert [r.tokens for r in results] == [r.tokens for r in again[2]]
+    assert [(i.admitted, [r.request.id for r in i.finished]) for i in infos] == \
+        [(i.admitted, [r.request.id for r in i.finished]) for i in again[1]]
+    # each request admitted once and finished once, never before it arrived
+    admitted = [rid for i in infos for rid, _ in i.admitted]
+    finished = [r.request.id for i in infos for r in i.finished]
+    assert sorted(admitted) == sorted(finished) == list(range(7))
+    for r in results:
+        assert r.request.arrival_step <= r.admitted_step <= r.finished_step
+    # continuous batching: no batch above n_batch, some batch mixes prompt and generated tokens
+    assert all(i.n_tokens <= runner.ctx.n_batch for i in infos)
+    assert any(i.n_prompt_tokens and i.n_gen_tokens for i in infos)
+    assert all(d.rc == 0 for i in infos for d in i.decodes)
+    # all finished: the clients hold the system prompt again, nothing else
+    n_sys = len(runner.system_tokens)
+    mem = runner.ctx.memory
+    for c in range(1, 4):
+        assert (mem.seq_pos_min(c), mem.seq_pos_max(c)) == (0, n_sys - 1)
+    summary = runner.summary()
+    assert summary.n_prompt_total == sum(r.n_prompt for r in results)
+    assert summary.n_gen_total == sum(r.n_decoded for r in results)
+    assert summary.n_failed == 0 and summary.cache_misses == 0
+
+
+def test_the_system_prompt_cells_are_shared_in_a_unified_cache(model):
+    runner = ParallelRunner(new_ctx(model, 3), 3, GREEDY, system_prompt=SYSTEM)
+    n_sys = len(runner.system_tokens)
+    steps = runner.steps(make_schedule(5, seed=4, n_predict=10, arrival_gap=1))
+    first = next(steps)
+    assert first.phase == "system" and first.n_tokens == n_sys and first.kv_used == n_sys
+
+    def system_cells():
+        return [(pos, seqs) for pos, seqs, _ in runner.ctx.memory.cells(0) if 0 <= pos < n_sys]
+
+    assert system_cells() and all(seqs == {0, 1, 2, 3} for _, seqs in system_cells())
+    for info in steps:
+        cells = system_cells()
+        assert sorted(pos for pos, _ in cells) == list(range(n_sys))  # stored once, whatever runs
+        assert all(seqs == {0, 1, 2, 3} for _, seqs in cells)
+        busy = [c for c in info.clients if c.state != "idle"]
+        # every other cell belongs to exactly one busy client
+        others = [seqs for pos, seqs, _ in runner.ctx.memory.cells(0) if pos >= n_sys]
+        assert all(len(seqs) == 1 and next(iter(seqs)) in {c.seq_id for c in busy} for seqs in others)
+    assert all(r.ok for r in runner.results)
+
+
+def test_split_streams_copy_the_system_prompt_into_every_stream(model):
+    bus = engine.EventBus()
+    sub = bus.subscribe(kinds=(ev.CellsCopied, ev.StreamCopyExecuted))
+    ctx = new_ctx(model, 2, kv_unified=False, n_ctx=3 * 96, bus=bus)
+    runner = ParallelRunner(ctx, 2, GREEDY, system_prompt=SYSTEM)
+    n_sys = len(runner.system_tokens)
+    steps = runner.steps(make_schedule(3, seed=4, n_predict=8, arrival_gap=0))
+    next(steps)
+    copies = sub.drain()
+    assert [(e.src_stream, e.dst_stream, e.queued) for e in copies] == [(0, 1, True), (0, 2, True)]
+    for s in (1, 2):  # the client's stream: the system prompt at the same cells, its own seq id
+        cells = ctx.memory.cells(s)
+        assert [(p, set(q)) for p, q, _ in cells[:n_sys]] == [(p, {s}) for p in range(n_sys)]
+    next(steps)  # the first decode runs the queued K/V stream copies
+    executed = [(e.src_stream, e.dst_stream) for e in sub.drain() if isinstance(e, ev.StreamCopyExecuted)]
+    assert executed == [(0, 1), (0, 2)]
+    for layer in range(model.config.n_layer):
+        k = ctx.memory.k[layer]
+        for s in (1, 2):
+            assert torch.equal(k.read_cells(s, torch.arange(n_sys)), k.read_cells(0, torch.arange(n_sys)))
+    for _ in steps:
+        pass
+    assert all(r.ok for r in runner.results)
+
+
+@pytest.mark.parametrize("kv_unified", [True, False])
+def test_greedy_parallel_clients_equal_each_request_alone(model, kv_unified):
+    requests = make_schedule(6, seed=3, n_predict=12, arrival_gap=1)
+    _, _, together = run(model, requests, ctx=new_ctx(model, kv_unified=kv_unified))
+    assert all(r.ok for r in together)
+    for req, res in zip(requests, together):
+        alone = dataclasses.replace(req, arrival_step=0)
+        _, _, (solo,) = run(model, [alone], n_clients=1, ctx=new_ctx(model, 1))
+        assert res.tokens == solo.tokens, f"request {req.id} differs when run beside others"
+        assert res.text == solo.text
+
+
+def test_an_unshared_system_prompt_gives_the_same_answers(model):
+    requests = make_schedule(4, seed=8, n_predict=10, arrival_gap=0)
+    _, _, shared = run(model, requests)
+    runner, infos, unshared = run(model, requests, share_system_prompt=False)
+    assert infos[0].phase == "batch"  # no system step
+    assert [r.tokens for r in shared] == [r.tokens for r in unshared]
+    assert all(r.n_prompt == len(runner.system_tokens) + s.n_prompt for r, s in zip(unshared, shared))
+
+
+def test_no_kv_slot_halves_the_batch_then_drops_the_request(model, caplog):
+    """A 96-cell unified pool and two clients that each need ~70 cells: decodes return 1, the batch
+    is halved, and at one token the request that cannot be placed fails and is dropped."""
+    ctx = new_ctx(model, 2, n_ctx=96, n_batch=32)
+    requests = make_schedule(4, seed=3, n_predict=40, arrival_gap=0)
+    with caplog.at_level(logging.WARNING, logger="kvscope"):
+        runner, infos, results = run(model, requests, n_clients=2, ctx=ctx, system_prompt="Hi.\n")
+    assert "failed to decode the batch, retrying with n_batch" in caplog.text
+    assert runner.cache_misses > 0
+    retried = [i for i in infos if any(d.rc == 1 for d in i.decodes)]
+    assert retried
+    for info in retried:  # after a failure the next try is smaller, or the request is dropped
+        calls = info.decodes
+        for a, b in zip(calls, calls[1:]):
+            if a.rc == 1 and a.n_tokens > 1:
+                assert b.offset == a.offset and b.n_tokens <= a.n_tokens // 2
+    failed = [r for r in results if not r.ok]
+    assert failed and all(r.stop_reason == "error" and r.error == CONTEXT_EXCEEDED for r in failed)
+    assert any(r.ok for r in results)
+    assert len(results) == 4 and all(r.finished_step >= 0 for r in results)
+    # a dropped request's cells are gone; every client is back to the shared system prompt
+    assert ctx.memory.used(0) == len(runner.system_tokens)
+    assert all(seqs == {0, 1, 2} for p, seqs, _ in ctx.memory.cells(0) if p >= 0)
+    assert runner.summary().n_failed == len(failed)
+
+
+def test_an_aborted_decode_ends_the_run(model):
+    ctx = new_ctx(model)
+    runner = ParallelRunner(ctx, 3, GREEDY, system_prompt=SYSTEM)
+    infos = []
+    for info in runner.steps(make_schedule(6, seed=1, n_predict=30, arrival_gap=0)):
+        infos.append(info)
+        if len(infos) == 3:
+            ctx.abort_callback = lambda: True
+    assert infos[-1].rc == 2
+    assert {r.stop_reason for r in infos[-1].finished} == {"aborted"}
+    assert len(runner.results) == 3  # nothing new was started
+
+
+def test_the_context_must_have_a_sequence_for_the_system_prompt(model):
+    with pytest.raises(KvscopeError, match="n_seq_max >= 4"):
+        ParallelRunner(new_ctx(model, 2), 3, GREEDY)
+
+
+def test_run_returns_results_in_request_order(model):
+    runner = ParallelRunner(new_ctx(model, 2), 2, GREEDY, system_prompt=SYSTEM)
+    results = runner.run(5, seed=9, n_predict=6)
+    assert [r.request.id for r in results] == list(range(5))
+    assert [r.request for r in results] == make_schedule(5, seed=9, n_predict=6)
+    reqs = [Request(0, "Why?", 3), Request(1, "How?", 3, arrival_step=4)]
+    runner = ParallelRunner(new_ctx(model, 2), 2, GREEDY, system_prompt=SYSTEM)
+    results = runner.run(requests=reqs)
+    assert [len(r.tokens) for r in results] == [3, 3] and results[1].admitted_step == 4
+
+
+def test_cli_parallel(tiny_llama_gguf, capsys):
+    rc = main(["parallel", "-m", str(tiny_llama_gguf), "-np", "2", "-ns", "3", "-c", "256", "--pad", "32",
+               "-n", "6", "--seed", "1", "--temp", "0", "-kvu", "--steps"])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    assert out.count("Input:    ") == 3 and out.count("Response: ") == 3
+    assert "main: n_parallel = 2, n_sequences = 3, cont_batching = 1, system tokens = " in out
+    for line in ("Total prompt tokens:", "Total gen tokens:", "Total speed (AVG):", "Cache misses:             0"):
+        assert line in out
+    assert "step    0 system" in out
+    assert "(   256 cells,   2 layers,  3/1 seqs)" in err  # -np 2 -> n_seq_max 3, one stream
+    assert "started decoding" in err and "llama_perf_context_print" in err
