@@ -113,6 +113,8 @@ class KVCacheISWA:
 
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
         self._check_both(seq_id, "seq_add")
+        if delta != 0:
+            self._refuse_unsupported_shift("seq_add", seq_id, p0, p1)
         self.base.seq_add(seq_id, p0, p1, delta)
         self.swa.seq_add(seq_id, p0, p1, delta)
 
@@ -120,8 +122,22 @@ class KVCacheISWA:
         self._check_both(seq_id, "seq_div")
         if d < 1:
             raise MemoryOperationError(f"seq_div: divisor {d} must be >= 1")
+        if d != 1:
+            self._refuse_unsupported_shift("seq_div", seq_id, p0, p1)
         self.base.seq_div(seq_id, p0, p1, d)
         self.swa.seq_div(seq_id, p0, p1, d)
+
+    def _refuse_unsupported_shift(self, op: str, seq_id: int, p0: int, p1: int) -> None:
+        """llama.cpp accepts the move and aborts at the next decode's K-shift; kvscope refuses it
+        up front when a cell would move (spec section 18)."""
+        if self.can_shift():
+            return
+        stream = self.base.seq_to_stream(seq_id)
+        lo, hi = max(p0, 0), (2**62 if p1 < 0 else p1)
+        if any(cache.v_cells[stream].in_range(lo, hi, seq_id).size for cache in self.caches()):
+            raise MemoryOperationError(
+                f"{op}: this iSWA cache cannot shift positions (SWA cache {self.swa.size} cells, base "
+                f"{self.base.size}); create the context with swa_full=True (--swa-full) to allow it")
 
     def seq_pos_min(self, seq_id: int) -> int:
         return self.swa.seq_pos_min(seq_id)
