@@ -60,15 +60,19 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None
 
 
+MIN_SPLIT_ELEMENTS = 1 << 18  # 1 MiB of f32: below this a matrix-vector product is not bandwidth-bound
+
+
 def input_major(weight: torch.Tensor, dtype: torch.dtype, n_split: int) -> torch.Tensor:
     """[out, in] (the files' layout) -> [n_split, in, out / n_split]: column blocks, input-major.
 
     Decode multiplies one row by every weight matrix, so it is bound by memory bandwidth. One
     vector-matrix product streams weights at about 25 GB/s on this kind of CPU; a batched product
     over two column blocks keeps both cores reading, at about 40 GB/s, with each output computed
-    exactly as before (the blocks split outputs, never the sum)."""
+    exactly as before (the blocks split outputs, never the sum). Small matrices stay in one block:
+    for them the threads' start-up costs more than it saves, and much more on a busy machine."""
     w = weight.t().to(dtype)  # [in, out]
-    if n_split > 1 and w.shape[1] % n_split == 0:
+    if n_split > 1 and w.shape[1] % n_split == 0 and w.numel() >= MIN_SPLIT_ELEMENTS:
         return w.reshape(w.shape[0], n_split, -1).permute(1, 0, 2).contiguous()
     return w.contiguous()[None]
 
