@@ -7,7 +7,7 @@ next-token distribution of the same context. Per configuration: the cache's byte
 layout, as llama.cpp sizes it; also for a Llama-3-8B-shaped cache: 32 layers, 8 KV heads of 128), the
 mean and max KL divergence KL(f32 || config) over the steps, and the top-1 agreement with the f32 run.
 
-    python bench/kv_quality.py [--prompt 64] [--new 256] [--seed 0]
+    python bench/kv_quality.py [--prompt 64] [--new 256] [--seed 0] [--threads 1]
 
 Random weights give a sharper or flatter distribution than a trained model would, so compare the
 rows with each other rather than with published numbers for real models.
@@ -74,8 +74,11 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     ap.add_argument("--new", type=int, default=256, help="generated (compared) tokens")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (one is fastest for this tiny model and robust when the machine is shared)")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as tmp:
         model = engine.load_model(write_model(Path(tmp), args.seed))

@@ -21,8 +21,8 @@ def _add_context_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-kvu", "--kv-unified", action="store_true", help="one KV buffer shared by all sequences")
     p.add_argument("--pad", type=int, default=256,
                    help="cache size padding in cells (llama.cpp: always 256; smaller for teaching)")
-    p.add_argument("-ctk", "--cache-type-k", default="f16", help="K cache type: f32, f16, bf16")
-    p.add_argument("-ctv", "--cache-type-v", default="f16", help="V cache type: f32, f16, bf16")
+    p.add_argument("-ctk", "--cache-type-k", default="f16", help="K cache type: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl")
+    p.add_argument("-ctv", "--cache-type-v", default="f16", help="V cache type (quantized V needs flash attention: -fa on or auto)")
     p.add_argument("-fa", "--flash-attn", default="auto", choices=["auto", "on", "off"],
                    help="decides the V layout as in llama.cpp (off: V transposed)")
     p.add_argument("--swa-full", action="store_true", help="full-size SWA cache (sliding-window models)")

@@ -69,7 +69,7 @@ def random_rows(seed: int, n_rows: int = 400, width: int = 256) -> np.ndarray:
     x = rng.standard_normal((n_rows * width // 32, 32)).astype(np.float32)
     x *= (10.0 ** rng.uniform(-4, 3, size=(x.shape[0], 1))).astype(np.float32)
     x[1::9, :4] = x[1::9, :1].max()  # a repeated maximum
-    x[2::9] = np.round(x[2::9] * 8) / 8  # exact binary fractions: rounding ties
+    x[2::9] = np.round(rng.standard_normal(x[2::9].shape) * 32).astype(np.float32) / 8  # exact eighths: ties
     x[3::9] = -np.abs(x[3::9])
     x[4::9] = np.float32(0.75)
     x[5::9, ::2] = 0.0
@@ -216,10 +216,13 @@ def test_iq4_nl_tiny_blocks_are_zero_scaled():
 
 
 # max |x - dequantize(quantize(x))| per block, in units of the block's max |x| (or range for q4_1/q5_1)
+# (q4_0/q5_0: a full step where the code +8/+16 is clamped; iq4_nl: half the widest table gap, 12/127, and
+# the least-squares scale; measured 0.108)
 ROUND_TRIP_BOUND = {"q8_0": 0.5 / 127 + 2 ** -10, "q4_0": 1 / 8 + 2 ** -9, "q5_0": 1 / 16 + 2 ** -9,
-                    "q4_1": 0.5 / 15 + 2 ** -9, "q5_1": 0.5 / 31 + 2 ** -9, "iq4_nl": 0.1}
+                    "q4_1": 0.5 / 15 + 2 ** -9, "q5_1": 0.5 / 31 + 2 ** -9, "iq4_nl": 0.15}
 # root-mean-square error on normal data, in units of the data's standard deviation (measured + margin)
-ROUND_TRIP_RMS = {"q8_0": 0.006, "q5_1": 0.03, "q5_0": 0.035, "q4_1": 0.065, "q4_0": 0.075, "iq4_nl": 0.065}
+# (measured: q8_0 0.0053, q5_1 0.038, q5_0 0.043, q4_1 0.078, iq4_nl 0.079, q4_0 0.085)
+ROUND_TRIP_RMS = {"q8_0": 0.007, "q5_1": 0.05, "q5_0": 0.055, "q4_1": 0.1, "q4_0": 0.11, "iq4_nl": 0.1}
 
 
 @pytest.mark.parametrize("name", QTYPES)
@@ -285,8 +288,8 @@ def test_storage_holds_the_block_bytes(name):
     for rows in ctx.memory.k + ctx.memory.v:
         assert rows.data.dtype == torch.uint8 and rows.data.shape == (1, 256, t.block_bytes)
     assert ctx.memory.k_bytes() == ctx.memory.v_bytes() == 2 * 256 * t.block_bytes
-    assert ctx.init_log_lines[-1].endswith(f"K ({name}):    0.02 MiB, V ({name}):    0.02 MiB".replace(
-        "0.02", f"{2 * 256 * t.block_bytes / 2 ** 20:.2f}"))
+    mib = f"{2 * 256 * t.block_bytes / 2 ** 20:7.2f}"
+    assert ctx.init_log_lines[-1].endswith(f"K ({name}): {mib} MiB, V ({name}): {mib} MiB")
 
 
 # ---- validation (llama_init_from_model) ---------------------------------------------------------------------
@@ -361,10 +364,14 @@ def f32_run():
     return decode_logits("f32", "f32")
 
 
-# max |logits - f32-cache logits| on MODEL (logit std ~1.1), measured about half of these
-LOGIT_BOUND = {"q8_0": 0.2, "q5_1": 1.5, "q5_0": 2.0, "q4_1": 2.5, "q4_0": 2.5, "iq4_nl": 2.5}
-# relative RMS error of the cached K and V rows against the f32 cache's rows
-ROW_BOUND = {"q8_0": 0.01, "q5_1": 0.04, "q5_0": 0.045, "q4_1": 0.08, "q4_0": 0.09, "iq4_nl": 0.08}
+# |logits - f32-cache logits| on MODEL (logit std 1.1), max and mean over 48 positions x 64 tokens
+# (measured max: q8_0 0.088, q5_1 0.83, iq4_nl 1.07, q4_1 1.05, q5_0 1.28, q4_0 1.42; mean: q8_0 0.013,
+# q5 0.10, 4-bit types 0.18; llama.cpp on its tiny llama: q8_0 0.047, q4_0 0.58)
+LOGIT_MAX = {"q8_0": 0.2, "q5_1": 1.5, "q5_0": 2.0, "q4_1": 2.0, "q4_0": 2.2, "iq4_nl": 2.0}
+LOGIT_MEAN = {"q8_0": 0.03, "q5_1": 0.2, "q5_0": 0.2, "q4_1": 0.35, "q4_0": 0.35, "iq4_nl": 0.35}
+# relative RMS error of layer 0's cached K and V rows (same inputs in both runs) against the f32 cache's
+# (measured: q8_0 0.0056, q5_1 0.038, q5_0 0.044, q4_1 0.079, iq4_nl 0.081, q4_0 0.089)
+ROW_BOUND = {"q8_0": 0.008, "q5_1": 0.05, "q5_0": 0.055, "q4_1": 0.1, "q4_0": 0.11, "iq4_nl": 0.1}
 
 
 @pytest.mark.parametrize("name", QTYPES)
@@ -372,10 +379,10 @@ def test_quantized_cache_decodes_close_to_f32(name, f32_run):
     ref_ctx, ref = f32_run
     ctx, logits = decode_logits(name, name)
     assert ctx.params.flash_attn == "on" and not ctx.params.v_trans
-    assert float((logits - ref).abs().max()) < LOGIT_BOUND[name]
-    assert float((logits - ref).abs().mean()) < LOGIT_BOUND[name] / 4
-    # the rows in the cache are the f32 run's rows up to the type's rounding
-    for mine, theirs in zip(ctx.memory.k + ctx.memory.v, ref_ctx.memory.k + ref_ctx.memory.v):
+    assert float((logits - ref).abs().max()) < LOGIT_MAX[name]
+    assert float((logits - ref).abs().mean()) < LOGIT_MEAN[name]
+    # layer 0's rows in the cache are the f32 run's rows up to the type's rounding
+    for mine, theirs in ((ctx.memory.k[0], ref_ctx.memory.k[0]), (ctx.memory.v[0], ref_ctx.memory.v[0])):
         a, b = mine.read(slice(0, 1), 48, torch.float32), theirs.read(slice(0, 1), 48, torch.float32)
         assert float((a - b).norm() / b.norm()) < ROW_BOUND[name]
 
@@ -385,7 +392,8 @@ def test_quantized_k_with_f16_v_and_flash_attn_off(name, f32_run):
     """Quantized K alone needs no flash attention; V is then transposed f16."""
     ctx, logits = decode_logits(name, "f16", flash_attn="off")
     assert ctx.params.v_trans and ctx.memory.v[0].transposed
-    assert float((logits - f32_run[1]).abs().max()) < LOGIT_BOUND[name]
+    assert float((logits - f32_run[1]).abs().max()) < LOGIT_MAX[name]
+    assert float((logits - f32_run[1]).abs().mean()) < LOGIT_MEAN[name]
 
 
 def test_quantized_cache_is_not_the_f16_cache(f32_run):

@@ -86,18 +86,15 @@ def _unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
 
 
-_BIT_WEIGHTS = (1 << torch.arange(8, dtype=torch.int32))
-
-
 def _pack_high_bits(q: torch.Tensor) -> torch.Tensor:
     """uint8 [..., 32] (values 0..31) -> qh [..., 4]: little-endian uint32, bit j = bit 4 of value j."""
     bits = ((q >> 4) & 1).to(torch.int32).reshape(*q.shape[:-1], 4, 8)
-    return (bits * _BIT_WEIGHTS).sum(-1).to(torch.uint8)
+    return (bits << torch.arange(8, dtype=torch.int32, device=q.device)).sum(-1).to(torch.uint8)
 
 
 def _unpack_high_bits(qh: torch.Tensor) -> torch.Tensor:
     """qh [..., 4] -> uint8 [..., 32], the fifth bit (0 or 16) of each value."""
-    bits = (qh.unsqueeze(-1).to(torch.int32) >> torch.arange(8, dtype=torch.int32)) & 1
+    bits = (qh.unsqueeze(-1).to(torch.int32) >> torch.arange(8, dtype=torch.int32, device=qh.device)) & 1
     return (bits.reshape(*qh.shape[:-1], 32) << 4).to(torch.uint8)
 
 
@@ -248,7 +245,7 @@ def quantize_iq4_nl(x: torch.Tensor) -> torch.Tensor:
     xb, lead = _to_blocks(x)
     vals = _KV_F32.to(xb.device)
     vmax = _signed_absmax(xb)  # [..., nb, 1]
-    tiny = vmax.abs() < torch.tensor(GROUP_MAX_EPS, dtype=torch.float32)
+    tiny = vmax.abs() < torch.tensor(GROUP_MAX_EPS, dtype=torch.float32, device=xb.device)
     vmax = torch.where(tiny, torch.ones_like(vmax), vmax)  # those blocks get d = 0 below
     d0 = vmax / vals[0]
     idx = _best_index_iq4nl((1.0 / d0) * xb)  # [..., nb, 32]
