@@ -184,14 +184,41 @@ class Transformer:
             tensors += [t for t in vars(layer).values() if t is not None]
         return sum(t.numel() for t in tensors)
 
+    def _attention(self, il: int, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   attn: AttentionInputs) -> torch.Tensor:
+        """Self-attention of one layer over the cache; h: [T, C] normed input. Returns [T, C]."""
+        cfg, norm, eps = self.config, self._norm, self.config.rms_norm_eps
+        T, G = h.shape[0], attn.n_groups
+        q, k, v = project(h, layer.wqkv, layer.bqkv).split(self._qkv_split, dim=-1)
+        q = q.view(T, cfg.n_head, cfg.head_dim)
+        k = k.view(T, cfg.n_head_kv, cfg.head_dim)
+        if layer.q_norm is not None:
+            q = norm(q, layer.q_norm, eps)
+            k = norm(k, layer.k_norm, eps)
+        q = Rotary.apply(q, cos, sin)
+        k = Rotary.apply(k, cos, sin)
+        keys, values, mask = attn.store_and_load(il, k.reshape(T, -1), v, self.dtype)  # [G, Hkv, n_kv, D]
+        q = q.view(G, T // G, cfg.n_head, cfg.head_dim).transpose(1, 2)  # [G, H, T/G, D]
+        if cfg.attn_softcap:
+            o = softcapped_attention(q, keys, values, mask, cfg.attn_scale, cfg.attn_softcap)
+        else:
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True,
+                                               scale=self.attn_scale)
+        o = project(o.transpose(1, 2).reshape(T, cfg.n_head * cfg.head_dim), layer.wo, layer.bo)
+        return o if layer.post_attn_norm is None else norm(o, layer.post_attn_norm, eps)
+
+    def _mlp(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        """Gated MLP of one layer; h: [T, C] normed input. Returns [T, C]."""
+        gate, up = project(h, layer.w_gate_up).chunk(2, dim=-1)
+        h = project(self._act(gate) * up, layer.w_down)
+        return h if layer.post_ffn_norm is None else self._norm(h, layer.post_ffn_norm, self.config.rms_norm_eps)
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs,
                 output_rows: torch.Tensor, should_abort: Callable[[], bool] | None = None) -> torch.Tensor:
         """tokens, positions: [T]; output_rows: indices into the ubatch. Returns [len(output_rows), n_vocab]
         float32 logits."""
         cfg = self.config
-        T = tokens.shape[0]
-        G = attn.n_groups
         norm, eps = self._norm, cfg.rms_norm_eps
         x = self.tok_embd[tokens]  # [T, C]
         if self.embd_scale is not None:
@@ -202,32 +229,8 @@ class Transformer:
             if should_abort is not None and should_abort():
                 raise DecodeAborted(f"aborted before layer {il}")
             cos, sin = tables[layer_table[il]]
-            h = norm(x, layer.attn_norm, eps)
-            q, k, v = project(h, layer.wqkv, layer.bqkv).split(self._qkv_split, dim=-1)
-            q = q.view(T, cfg.n_head, cfg.head_dim)
-            k = k.view(T, cfg.n_head_kv, cfg.head_dim)
-            if layer.q_norm is not None:
-                q = norm(q, layer.q_norm, eps)
-                k = norm(k, layer.k_norm, eps)
-            q = Rotary.apply(q, cos, sin)
-            k = Rotary.apply(k, cos, sin)
-            keys, values, mask = attn.store_and_load(il, k.reshape(T, -1), v, self.dtype)  # [G, Hkv, n_kv, D]
-            q = q.view(G, T // G, cfg.n_head, cfg.head_dim).transpose(1, 2)  # [G, H, T/G, D]
-            if cfg.attn_softcap:
-                o = softcapped_attention(q, keys, values, mask, cfg.attn_scale, cfg.attn_softcap)
-            else:
-                o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True,
-                                                   scale=self.attn_scale)
-            o = project(o.transpose(1, 2).reshape(T, cfg.n_head * cfg.head_dim), layer.wo, layer.bo)
-            if layer.post_attn_norm is not None:
-                o = norm(o, layer.post_attn_norm, eps)
-            x = x + o
-            h = norm(x, layer.ffn_norm, eps)
-            gate, up = project(h, layer.w_gate_up).chunk(2, dim=-1)
-            h = project(self._act(gate) * up, layer.w_down)
-            if layer.post_ffn_norm is not None:
-                h = norm(h, layer.post_ffn_norm, eps)
-            x = x + h
+            x = x + self._attention(il, layer, norm(x, layer.attn_norm, eps), cos, sin, attn)
+            x = x + self._mlp(layer, norm(x, layer.ffn_norm, eps))
         x = norm(x[output_rows], self.norm, eps)
         logits = F.linear(x, self.tok_embd) if self.lm_head_t is None else project(x, self.lm_head_t)
         logits = logits.float()
