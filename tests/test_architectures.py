@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import engine
+from tests.decode_driver import decode_sequences
 from engine.batch import Batch
 from engine.errors import ModelFileError, UnsupportedArchitectureError
 from engine.formats.gguf_file import (
@@ -354,27 +355,8 @@ def _run_sliding(model: engine.Model, prompts: dict[int, list[int]], n_steps: in
     """Prefill every prompt in one batch (ubatches of 8), then n_steps steps advancing all sequences
     in one decode each. Returns the context, each sequence's tokens and the logits of each position."""
     ctx = _context(model, n_ubatch=8, n_seq_max=len(prompts), **ctx_kw)
-    seqs = {s: list(t) for s, t in prompts.items()}
-    tokens, pos, seq_ids = [], [], []
-    for s, toks in seqs.items():
-        tokens += toks
-        pos += list(range(len(toks)))
-        seq_ids += [[s]] * len(toks)
-    assert ctx.decode(Batch(tokens, pos, seq_ids, [True] * len(tokens))) == 0
-    got = {s: [] for s in seqs}
-    for i in range(len(tokens)):
-        got[seq_ids[i][0]].append(ctx.logits(i).clone())
-    g = torch.Generator().manual_seed(17)
-    for _ in range(n_steps):
-        step = [(s, int(torch.randint(3, model.n_vocab, (1,), generator=g))) for s in seqs]
-        batch = Batch([t for _, t in step], [len(seqs[s]) for s, _ in step], [[s] for s, _ in step],
-                      [True] * len(step))
-        for s, t in step:
-            seqs[s].append(t)
-        assert ctx.decode(batch) == 0, ctx.last_error
-        for k, (s, _) in enumerate(step):
-            got[s].append(ctx.logits(k).clone())
-    return ctx, seqs, {s: torch.stack(v) for s, v in got.items()}
+    seqs, got = decode_sequences(ctx, prompts, n_steps, seed=17)
+    return ctx, seqs, got
 
 
 @requires_iswa

@@ -9,6 +9,7 @@ import torch
 
 import engine
 from engine.batch import Batch
+from tests.decode_driver import decode_sequences
 
 TOL = 1e-4
 N_STEPS = 32
@@ -30,30 +31,10 @@ def prompts(n_vocab: int) -> dict[int, list[int]]:
 
 
 def run_two_sequences(model: engine.Model, *, kv_unified: bool, flash_attn: str = "auto"):
-    """Prefill two prompts in one batch, then N_STEPS steps advancing both sequences in one decode.
-    Returns each sequence's tokens and the logits the engine produced for each position."""
+    """Prefill two prompts in one batch, then N_STEPS steps advancing both sequences in one decode."""
     ctx = engine.Context(model, n_ctx=128, pad=32, n_ubatch=8, n_seq_max=2, kv_unified=kv_unified,
                          type_k="f32", type_v="f32", flash_attn=flash_attn)
-    seqs = prompts(model.n_vocab)
-    tokens, pos, seq_ids = [], [], []
-    for s, toks in seqs.items():
-        tokens += toks
-        pos += list(range(len(toks)))
-        seq_ids += [[s]] * len(toks)
-    assert ctx.decode(Batch(tokens, pos, seq_ids, [True] * len(tokens))) == 0
-    got = {s: [] for s in seqs}
-    for i in range(len(tokens)):
-        got[seq_ids[i][0]].append(ctx.logits(i).clone())
-    g = torch.Generator().manual_seed(11)
-    for _ in range(N_STEPS):
-        step = [(s, int(torch.randint(3, model.n_vocab, (1,), generator=g))) for s in seqs]
-        batch = Batch([t for _, t in step], [len(seqs[s]) for s, _ in step], [[s] for s, _ in step], [True, True])
-        for s, t in step:
-            seqs[s].append(t)
-        assert ctx.decode(batch) == 0
-        for k, (s, _) in enumerate(step):
-            got[s].append(ctx.logits(k).clone())
-    return seqs, {s: torch.stack(v) for s, v in got.items()}
+    return decode_sequences(ctx, prompts(model.n_vocab), N_STEPS, seed=11)
 
 
 @pytest.mark.parametrize("kv_unified,flash_attn", [(True, "auto"), (False, "auto"), (True, "off")])
