@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from engine.errors import ContextParamsError
+from engine.errors import ContextParamsError, ModelFileError
 from engine.models.config import ModelConfig
 from engine.models.tokenizer import Tokenizer
 from engine.models.transformer import Transformer
@@ -15,6 +15,20 @@ from engine.models.transformer import Transformer
 log = logging.getLogger("kvscope.model")
 
 COMPUTE_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+# The bundled demo model (engine/models/demo/MODEL_CARD.md), loaded by the name "demo".
+DEMO_MODEL_NAME = "demo"
+DEMO_MODEL_PATH = Path(__file__).resolve().parent / "demo" / "kvscope-demo-gemma3.gguf"
+
+
+def resolve_model_path(path: str | Path) -> str | Path:
+    """The name "demo" is the bundled demo model's file; any other path is returned as given."""
+    if str(path) != DEMO_MODEL_NAME:
+        return path
+    if not DEMO_MODEL_PATH.is_file():
+        raise ModelFileError(
+            f"the bundled demo model is missing: {DEMO_MODEL_PATH} does not exist; reinstall kvscope, or "
+            "rebuild it with `python tools/train_demo_model.py` (see engine/models/demo/MODEL_CARD.md)")
+    return DEMO_MODEL_PATH
 
 
 @dataclass
@@ -36,11 +50,13 @@ class Model:
 
 
 def load_model(path: str | Path, *, dtype: str = "f32") -> Model:
-    """Load a GGUF file or a Hugging Face folder. dtype: compute dtype, f32 (default), bf16 or f16."""
+    """Load a GGUF file or a Hugging Face folder; "demo" loads the bundled demo model. dtype: compute
+    dtype, f32 (default), bf16 or f16."""
     from engine.models.load import read_checkpoint
 
     if dtype not in COMPUTE_DTYPES:
         raise ContextParamsError(f"unknown compute dtype {dtype!r}; choose one of {', '.join(COMPUTE_DTYPES)}")
+    path = resolve_model_path(path)
     ckpt = read_checkpoint(path)
     transformer = Transformer(ckpt.config, ckpt.tensors, COMPUTE_DTYPES[dtype])
     log.info("load_tensors: loaded %s (%s, %d layers, %.2f M parameters, compute %s)", ckpt.config.name or path,

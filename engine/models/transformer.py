@@ -218,6 +218,13 @@ class Transformer:
                 output_rows: torch.Tensor, should_abort: Callable[[], bool] | None = None) -> torch.Tensor:
         """tokens, positions: [T]; output_rows: indices into the ubatch. Returns [len(output_rows), n_vocab]
         float32 logits."""
+        return self.forward_train(tokens, positions, attn, output_rows, should_abort)
+
+    def forward_train(self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs,
+                      output_rows: torch.Tensor, should_abort: Callable[[], bool] | None = None) -> torch.Tensor:
+        """`forward` without inference mode, so that autograd records it: when the tensors the
+        Transformer was built from require grad, the loss reaches them through the fused, input-major
+        weights (tools/train_demo_model.py trains this way with engine.models.full_sequence)."""
         cfg = self.config
         norm, eps = self._norm, cfg.rms_norm_eps
         x = self.tok_embd[tokens]  # [T, C]
