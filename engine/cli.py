@@ -15,7 +15,7 @@ log = logging.getLogger("kvscope.cli")
 def _add_context_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default="demo",
                    help="GGUF file or Hugging Face folder (default: demo, the bundled demo model)")
-    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size (0 = the model's n_ctx_train)")
+    p.add_argument("-c", "--ctx-size", type=int, default=0, help="context size (default 0: the model's n_ctx_train)")
     p.add_argument("-b", "--batch-size", type=int, default=2048, help="logical batch size")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="physical batch size")
     p.add_argument("-np", "--parallel", type=int, default=1, help="number of parallel sequences")

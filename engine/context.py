@@ -168,6 +168,9 @@ class Context:
         if p.n_ctx_seq < cfg.n_ctx_train:
             lines.append(f"llama_context: n_ctx_seq ({p.n_ctx_seq}) < n_ctx_train ({cfg.n_ctx_train}) -- "
                          "the full capacity of the model will not be utilized")
+        elif p.n_ctx_seq > cfg.n_ctx_train:
+            lines.append(f"llama_context: n_ctx_seq ({p.n_ctx_seq}) > n_ctx_train ({cfg.n_ctx_train}) -- "
+                         "possible training context overflow")
         return lines
 
     def _publish_created(self) -> None:

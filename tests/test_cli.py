@@ -51,3 +51,10 @@ def test_console_script_is_installed():
     assert proc.returncode == 0
     for flag in ("-np", "-ns", "--sequences", "-kvu", "-c", "-b", "-ub", "--pad", "--seed", "--temp"):
         assert flag in proc.stdout
+
+
+def test_default_context_is_the_models_training_context(capsys):
+    """-c defaults to 0, llama.cpp's "use n_ctx_train": 1024 cells for the demo model."""
+    rc, _, err = run(["generate", "-p", "And", "-n", "2", "--temp", "0"], capsys)
+    assert rc == 0
+    assert "llama_kv_cache_iswa: creating non-SWA KV cache, size = 1024 cells" in err

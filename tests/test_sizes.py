@@ -66,3 +66,12 @@ def test_buffer_size_rounds_each_tensor_to_32_bytes():
     lo = layout(kv_size=3, n_layer=2, n_head_kv=1, head_dim=5, type_k="f16", type_v="f16")
     assert lo.k_bytes_per_layer() == 30
     assert lo.buffer_bytes() == 2 * (32 + 32)
+
+
+def test_context_beyond_training_length_is_flagged():
+    import engine
+    from tests.model_factory import in_memory_model
+
+    ctx = engine.Context(in_memory_model(), n_ctx=512)  # n_ctx_train 256
+    assert "llama_context: n_ctx_seq (512) > n_ctx_train (256) -- possible training context overflow" in \
+        ctx.init_log_lines
