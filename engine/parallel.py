@@ -537,8 +537,7 @@ class ParallelRunner:
                         (time.perf_counter() - t0) * 1e3)
 
     def _kv_used(self) -> int:
-        mem = self.ctx.memory
-        used = getattr(mem, "used", None)
-        if callable(used):
-            return sum(int(used(s)) for s in range(mem.n_stream))
-        return sum(sum(1 for cell in mem.cells(s) if cell[0] >= 0) for s in range(mem.n_stream))
+        """Cells in use over all streams of the first cache: the plain cache, or the base
+        (full-attention) cache of an iSWA pair, which holds every position."""
+        cache = self.ctx.memory.caches()[0]
+        return sum(cache.used(s) for s in range(cache.n_stream))

@@ -218,3 +218,13 @@ def test_cli_parallel(tiny_llama_gguf, capsys):
     assert "step    0 system" in out
     assert "(   256 cells,   2 layers,  3/1 seqs)" in err  # -np 2 -> n_seq_max 3, one stream
     assert "started decoding" in err and "llama_perf_context_print" in err
+
+
+def test_parallel_runs_on_a_sliding_window_model(capsys):
+    """The default model is the demo Gemma 3, whose memory is an iSWA pair."""
+    from engine.cli import main
+
+    rc = main(["parallel", "-np", "2", "-ns", "3", "-n", "6", "-c", "512", "--seed", "1"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert out.out.count("Client ") == 3
