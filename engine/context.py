@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from engine import events as ev
 from engine.batch import Batch, BatchAllocator, UBatch
+from engine.devices import Device, Placement, plan_placement, resolve_gpus
 from engine.errors import BatchTooLargeError, ContextParamsError, InvalidBatchError
-from engine.kv.factory import build_memory
+from engine.kv.factory import build_memory, cache_layouts, kv_bytes_by_device
 from engine.kv.memory import Memory
 from engine.kv.cells import MAX_SEQ
 from engine.kv.types import cache_type
@@ -95,6 +97,11 @@ class ContextParams:
                    pad, type_k.lower(), type_v.lower(), flash_attn, flash_attn == "off", swa_full)
 
 
+def _release_reservations(reserved: dict[Device, int]) -> None:
+    for dev, nbytes in reserved.items():
+        dev.release(nbytes)
+
+
 @dataclass
 class PerfCounters:
     """llama.cpp's llama_perf_context numbers."""
@@ -113,7 +120,12 @@ class Context:
     def __init__(self, model: Model, *, n_ctx: int = 512, n_batch: int = 2048, n_ubatch: int = 512,
                  n_seq_max: int = 1, kv_unified: bool = False, pad: int = 256, type_k: str = "f16",
                  type_v: str = "f16", flash_attn: str = "auto", swa_full: bool = False,
-                 abort_callback: Callable[[], bool] | None = None, bus: ev.EventBus | None = None) -> None:
+                 abort_callback: Callable[[], bool] | None = None, bus: ev.EventBus | None = None,
+                 devices: Sequence[Device | str] | None = None, n_gpu_layers: int = 0,
+                 tensor_split: Sequence[float] | None = None, offload_kqv: bool = True) -> None:
+        """devices: the GPUs to offload to (None: the real ones found; see engine.devices.resolve_gpus),
+        n_gpu_layers/tensor_split/offload_kqv as llama.cpp's -ngl/-ts/-kvo. Only the KV cache follows the
+        placement so far; model weights stay where the model put them."""
         cfg = model.config
         self.model = model
         self.params = ContextParams.resolve(
@@ -124,7 +136,13 @@ class Context:
         self.abort_callback = abort_callback
         self.perf = PerfCounters()
         p = self.params
-        self.memory: Memory = build_memory(cfg, p, bus=self.bus, key_shifter=model.transformer.rotary.shift_keys)
+        self.placement: Placement = plan_placement(cfg.n_layer, n_gpu_layers, resolve_gpus(devices), tensor_split,
+                                                   offload_kqv)
+        self._log_placement()
+        self.kv_bytes_by_device = kv_bytes_by_device(cache_layouts(cfg, p), self.placement.kv_devices)
+        self._reserve_virtual_memory()  # before anything is allocated: a refusal leaves no trace
+        self.memory: Memory = build_memory(cfg, p, bus=self.bus, key_shifter=model.transformer.rotary.shift_keys,
+                                           kv_devices=self.placement.kv_devices)
         self.init_log_lines = self._context_log_lines() + self.memory.init_log_lines()
         for line in self.init_log_lines:
             log.info("%s", line)
@@ -149,6 +167,28 @@ class Context:
     @property
     def n_seq_max(self) -> int:
         return self.params.n_seq_max
+
+    def _log_placement(self) -> None:
+        cfg = self.model.config
+        for line in self.placement.debug_log_lines([cfg.is_swa(il) for il in range(cfg.n_layer)]):
+            log.debug("%s", line)
+        for line in self.placement.info_log_lines():
+            log.info("%s", line)
+
+    def _reserve_virtual_memory(self) -> None:
+        """Refuse a KV cache that does not fit a virtual device, else account it there until this
+        context is garbage collected. Real devices are left to torch, which raises when out of memory."""
+        virtual = {dev: n for dev, n in self.kv_bytes_by_device.items() if dev.is_virtual}
+        for dev, need in virtual.items():
+            free = dev.free_bytes()
+            if need > free:
+                raise ContextParamsError(
+                    f"the KV cache needs {need} bytes on {dev} but only {free} bytes are free (capacity "
+                    f"{dev.capacity}); use a smaller n_ctx, a quantized cache type, fewer n_gpu_layers, "
+                    f"offload_kqv=False, or a larger device")
+        for dev, need in virtual.items():
+            dev.reserve(need)
+        weakref.finalize(self, _release_reservations, virtual)
 
     def _context_log_lines(self) -> list[str]:
         p, cfg = self.params, self.model.config

@@ -28,3 +28,7 @@ class ContextParamsError(KvscopeError):
 
 class BatchTooLargeError(KvscopeError):
     """A batch has more tokens than the context's n_batch (llama.cpp aborts; kvscope refuses)."""
+
+
+class DeviceSpecError(KvscopeError, ValueError):
+    """A device list, virtual device spec, layer count or tensor split that cannot be used."""

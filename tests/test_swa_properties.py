@@ -31,7 +31,8 @@ def positions_of(cache, seq_id: int) -> set[int]:
     return {pos for pos, seqs, _ in cache.cells(0) if seq_id in seqs}
 
 
-def check(memory, swa_cache, n_swa: int, swa_type: SwaType, decoded_max: dict[int, int]) -> None:
+def check(memory, swa_cache, n_swa: int, swa_type: SwaType, decoded_max: dict[int, int],
+          window_floor: dict[int, int]) -> None:
     for cache in memory.caches():
         for c in cache.v_cells:
             c.check_invariants()
@@ -42,8 +43,10 @@ def check(memory, swa_cache, n_swa: int, swa_type: SwaType, decoded_max: dict[in
             assert present == set(range(min(present), max(present) + 1)), f"seq {s} has a gap: {sorted(present)}"
         top = decoded_max.get(s, -1)
         if top >= 0 and swa_type == SwaType.STANDARD:
-            # what the sequence's next token (at top + 1) still attends to: (top + 1) - p < n_swa
-            window = set(range(max(0, top + 2 - n_swa), top + 1))
+            # what the sequence's next token (at top + 1) still attends to: (top + 1) - p < n_swa. Not below
+            # an earlier window's start: cells masked then may have been reused (spec 5, as llama.cpp does),
+            # so removing a sequence's tail does not bring those positions back.
+            window = set(range(max(0, top + 2 - n_swa, window_floor.get(s, 0)), top + 1))
             assert window <= present, f"seq {s} lost positions inside its window: {sorted(window - present)}"
     if isinstance(memory, KVCacheISWA):
         for s in range(N_SEQ):
@@ -53,6 +56,7 @@ def check(memory, swa_cache, n_swa: int, swa_type: SwaType, decoded_max: dict[in
 def run_ops(memory, swa_cache, ops, n_swa: int, swa_type: SwaType, bus, mirror) -> None:
     driver = Driver(memory, bus, mirror, n_ubatch=3)
     decoded_max: dict[int, int] = {}
+    window_floor: dict[int, int] = {}  # per seq: the highest window start it has had
     for op, a, b in ops:
         if op == "decode":
             start = memory.seq_pos_max(a) + 1
@@ -66,18 +70,24 @@ def run_ops(memory, swa_cache, ops, n_swa: int, swa_type: SwaType, bus, mirror) 
         elif op == "rm_all":
             memory.seq_rm(a, -1, -1)
             decoded_max.pop(a, None)
+            window_floor.pop(a, None)
         elif op == "cp" and a != b:
             memory.seq_rm(b, -1, -1)
             memory.seq_cp(a, b, -1, -1)
             if a in decoded_max and memory.seq_pos_max(b) >= 0:
                 decoded_max[b] = decoded_max[a]
+                window_floor[b] = window_floor.get(a, 0)
             else:
                 decoded_max.pop(b, None)
+                window_floor.pop(b, None)
         elif op == "keep":
             memory.seq_keep(a)
             decoded_max = {a: decoded_max[a]} if a in decoded_max else {}
+            window_floor = {a: window_floor[a]} if a in window_floor else {}
+        for s, top in decoded_max.items():
+            window_floor[s] = max(window_floor.get(s, 0), top + 2 - n_swa)
         driver.check_mirror()
-        check(memory, swa_cache, n_swa, swa_type, decoded_max)
+        check(memory, swa_cache, n_swa, swa_type, decoded_max, window_floor)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

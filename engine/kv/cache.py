@@ -16,6 +16,7 @@ import torch
 
 from engine import events as ev
 from engine.batch import BatchAllocator, UBatch
+from engine.devices import Device, as_device
 from engine.errors import MemoryOperationError
 from engine.kv.cells import MAX_SEQ, KVCells
 from engine.kv.attention import UbatchAttention
@@ -52,7 +53,7 @@ class KVCache:
     """One llama.cpp KV cache: `n_stream` streams of `kv_size` cells over a set of model layers."""
 
     def __init__(self, layout: CacheLayout, *, bus: ev.EventBus, key_shifter: KeyShifter,
-                 name: str = "kv", layer_devices: Sequence[torch.device | str] | None = None) -> None:
+                 name: str = "kv", layer_devices: Sequence[Device | torch.device | str] | None = None) -> None:
         """layer_devices: where each cache layer's K and V live (default: all on the CPU)."""
         self.layout = layout
         self.name = name
@@ -68,10 +69,14 @@ class KVCache:
         devices = list(layer_devices) if layer_devices is not None else ["cpu"] * len(layout.layer_ids)
         if len(devices) != len(layout.layer_ids):
             raise ValueError(f"{len(devices)} layer devices for {len(layout.layer_ids)} cache layers")
+        # Kept as given: an engine.devices.Device says which (possibly virtual) device a layer is on,
+        # which its torch device alone cannot (a virtual device's memory is the host's).
+        self.layer_devices = tuple(devices)
+        torch_devices = [d.torch_device if isinstance(d, Device) else d for d in devices]
         rows = dict(n_stream=layout.n_stream, kv_size=layout.kv_size)
-        self.k = [RowStorage(layout.type_k, width=layout.n_embd_k, device=d, **rows) for d in devices]
+        self.k = [RowStorage(layout.type_k, width=layout.n_embd_k, device=d, **rows) for d in torch_devices]
         self.v = [RowStorage(layout.type_v, width=layout.n_embd_v, transposed=layout.v_trans, device=d, **rows)
-                  for d in devices]
+                  for d in torch_devices]
 
     # ---- sizes and log lines -------------------------------------------------------------
     def k_bytes(self) -> int:
@@ -81,7 +86,7 @@ class KVCache:
         return self.layout.v_bytes()
 
     def init_log_lines(self) -> list[str]:
-        return self.layout.init_log_lines()
+        return self.layout.init_log_lines([as_device(d) for d in self.layer_devices])
 
     def caches(self) -> list["KVCache"]:
         """The caches behind this memory: just this one (an iSWA pair has two)."""

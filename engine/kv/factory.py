@@ -2,7 +2,10 @@
 pair when the model has sliding-window layers."""
 from __future__ import annotations
 
+from typing import Sequence
+
 from engine import events as ev
+from engine.devices import Device
 from engine.kv.cache import KeyShifter, KVCache
 from engine.kv.iswa import KVCacheISWA, swa_cache_size
 from engine.kv.layout import CacheLayout
@@ -12,8 +15,9 @@ from engine.kv.types import cache_type
 from engine.models.config import ModelConfig
 
 
-def build_memory(cfg: ModelConfig, params, *, bus: ev.EventBus, key_shifter: KeyShifter) -> Memory:
-    """params: the context's resolved ContextParams."""
+def cache_layouts(cfg: ModelConfig, params) -> dict[str, CacheLayout]:
+    """The layout of every cache the context will get, by cache name: {"kv"} or {"base", "swa"}.
+    Sizes only; nothing is allocated, so memory can be checked before build_memory()."""
 
     def layout(layer_ids: tuple[int, ...], kv_size: int, n_swa: int = 0, swa_type: SwaType = SwaType.NONE):
         return CacheLayout(
@@ -24,12 +28,35 @@ def build_memory(cfg: ModelConfig, params, *, bus: ev.EventBus, key_shifter: Key
 
     all_layers = tuple(range(cfg.n_layer))
     if not cfg.has_swa:
-        return KVCache(layout(all_layers, params.n_ctx_seq), bus=bus, key_shifter=key_shifter)
+        return {"kv": layout(all_layers, params.n_ctx_seq)}
     swa_layers = tuple(il for il in all_layers if cfg.is_swa(il))
     base_layers = tuple(il for il in all_layers if not cfg.is_swa(il))
     size_swa = swa_cache_size(params.n_ctx_seq, cfg.n_swa, unified=params.kv_unified, n_seq_max=params.n_seq_max,
                               n_ubatch=params.n_ubatch, pad=params.pad, swa_full=params.swa_full)
-    base = KVCache(layout(base_layers, params.n_ctx_seq), bus=bus, key_shifter=key_shifter, name="base")
-    swa = KVCache(layout(swa_layers, size_swa, cfg.n_swa, SwaType(cfg.swa_type)), bus=bus,
-                  key_shifter=key_shifter, name="swa")
-    return KVCacheISWA(base, swa, unified=params.kv_unified, swa_full=params.swa_full)
+    return {"base": layout(base_layers, params.n_ctx_seq),
+            "swa": layout(swa_layers, size_swa, cfg.n_swa, SwaType(cfg.swa_type))}
+
+
+def kv_bytes_by_device(layouts: dict[str, CacheLayout], kv_devices: Sequence[Device]) -> dict[Device, int]:
+    """Bytes of K and V buffers each device will hold; kv_devices[il] is model layer il's KV device."""
+    need: dict[Device, int] = {}
+    for lo in layouts.values():
+        for dev, nbytes in lo.buffer_bytes_by_device([kv_devices[il] for il in lo.layer_ids]).items():
+            need[dev] = need.get(dev, 0) + nbytes
+    return need
+
+
+def build_memory(cfg: ModelConfig, params, *, bus: ev.EventBus, key_shifter: KeyShifter,
+                 kv_devices: Sequence[Device] | None = None) -> Memory:
+    """params: the context's resolved ContextParams. kv_devices[il]: where model layer il's K/V live
+    (default: all on the CPU)."""
+    layouts = cache_layouts(cfg, params)
+
+    def cache(name: str) -> KVCache:
+        lo = layouts[name]
+        devices = None if kv_devices is None else [kv_devices[il] for il in lo.layer_ids]
+        return KVCache(lo, bus=bus, key_shifter=key_shifter, name=name, layer_devices=devices)
+
+    if "kv" in layouts:
+        return cache("kv")
+    return KVCacheISWA(cache("base"), cache("swa"), unified=params.kv_unified, swa_full=params.swa_full)

@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
+
+from engine.devices import CPU, Device
 
 from engine.kv.swa import SwaType
 from engine.kv.types import CacheType
 
 CPU_BUFFER_ALIGNMENT = 32
+CUDA_BUFFER_ALIGNMENT = 128
+CUDA_ROW_PADDING = 512  # values
 
 
 @dataclass(frozen=True)
@@ -40,22 +45,45 @@ class CacheLayout:
     def v_bytes(self) -> int:
         return self.v_bytes_per_layer() * len(self.layer_ids)
 
+    def layer_buffer_bytes(self, device: Device = CPU) -> int:
+        """One layer's K and V tensors as a buffer of `device` allocates them (virtual devices: host rules)."""
+        return (self._tensor_bytes(self.type_k, self.n_embd_k, device)
+                + self._tensor_bytes(self.type_v, self.n_embd_v, device))
+
+    def _tensor_bytes(self, ctype: CacheType, width: int, device: Device) -> int:
+        nbytes = self.kv_size * self.n_stream * ctype.row_bytes(width)
+        if device.kind != "cuda":
+            return _aligned(nbytes, CPU_BUFFER_ALIGNMENT)
+        # ggml-cuda pads a quantized tensor's rows to a multiple of 512 values, once per tensor.
+        if ctype.is_quantized and width % CUDA_ROW_PADDING:
+            nbytes += ctype.row_bytes(CUDA_ROW_PADDING - width % CUDA_ROW_PADDING)
+        return _aligned(nbytes, CUDA_BUFFER_ALIGNMENT)
+
     def buffer_bytes(self) -> int:
         """The CPU KV buffer: every tensor rounded up to the backend alignment."""
-        per_layer = _aligned(self.k_bytes_per_layer()) + _aligned(self.v_bytes_per_layer())
-        return per_layer * len(self.layer_ids)
+        return self.layer_buffer_bytes() * len(self.layer_ids)
 
-    def init_log_lines(self) -> list[str]:
-        """llama.cpp's llama_kv_cache info lines, byte for byte."""
+    def buffer_bytes_by_device(self, layer_devices: Sequence[Device] | None = None) -> dict[Device, int]:
+        """One KV buffer per device holding any of this cache's layers (default: all on the CPU)."""
+        devices = layer_devices if layer_devices is not None else [CPU] * len(self.layer_ids)
+        out: dict[Device, int] = {}
+        for dev in devices:
+            out[dev] = out.get(dev, 0) + self.layer_buffer_bytes(dev)
+        return out
+
+    def init_log_lines(self, layer_devices: Sequence[Device] | None = None) -> list[str]:
+        """llama.cpp's llama_kv_cache info lines, byte for byte: a buffer line per device, sorted by name."""
         mib = 1024.0 * 1024.0
         k, v = self.k_bytes(), self.v_bytes()
-        return [
-            f"llama_kv_cache: {'CPU':>10s} KV buffer size = {self.buffer_bytes() / mib:8.2f} MiB",
+        buffers = sorted(self.buffer_bytes_by_device(layer_devices).items(), key=lambda item: str(item[0]))
+        buffer_lines = [f"llama_kv_cache: {str(dev):>10s} KV buffer size = {nbytes / mib:8.2f} MiB"
+                        for dev, nbytes in buffers]
+        return buffer_lines + [
             (f"llama_kv_cache: size = {(k + v) / mib:7.2f} MiB ({self.kv_size:6d} cells, "
              f"{len(self.layer_ids):3d} layers, {self.n_seq_max:2d}/{self.n_stream} seqs), "
              f"K ({self.type_k.name}): {k / mib:7.2f} MiB, V ({self.type_v.name}): {v / mib:7.2f} MiB"),
         ]
 
 
-def _aligned(n: int, alignment: int = CPU_BUFFER_ALIGNMENT) -> int:
+def _aligned(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment

@@ -1,0 +1,298 @@
+"""Devices and layer placement (spec section 12): llama.cpp's offload rules, log lines, virtual devices."""
+from __future__ import annotations
+
+import gc
+import logging
+
+import pytest
+import torch
+
+import engine
+from engine.batch import Batch
+from engine.devices import CPU, Device, discover_devices, parse_size, plan_placement, virtual_device, virtual_devices
+from engine.errors import ContextParamsError, DeviceSpecError, KvscopeError
+from tests.model_factory import in_memory_model
+
+N_LAYER = 4
+
+
+def names(devices) -> list[str]:
+    return [d.name for d in devices]
+
+
+@pytest.fixture
+def one_gpu() -> list[Device]:
+    return virtual_devices(["VGPU0=1GiB"])
+
+
+@pytest.fixture
+def two_gpus() -> list[Device]:
+    return virtual_devices(["VGPU0=3GiB", "VGPU1=1GiB"])
+
+
+# ---- placement rules ------------------------------------------------------------------------------
+def test_ngl_0_keeps_everything_on_cpu(one_gpu):
+    p = plan_placement(N_LAYER, 0, one_gpu)
+    assert names(p.layer_devices) == ["CPU"] * N_LAYER and p.output_device is CPU and p.input_device is CPU
+    assert p.info_log_lines() == ["load_tensors: offloading 0 repeating layers to GPU",
+                                  "load_tensors: offloaded 0/5 layers to GPU"]
+
+
+def test_ngl_1_puts_only_the_output_layer_on_gpu(one_gpu):
+    p = plan_placement(N_LAYER, 1, one_gpu)
+    assert names(p.layer_devices) == ["CPU"] * N_LAYER and p.output_device.name == "VGPU0"
+    assert p.i_gpu_start == N_LAYER
+    assert p.info_log_lines() == ["load_tensors: offloading output layer to GPU",
+                                  "load_tensors: offloading 0 repeating layers to GPU",
+                                  "load_tensors: offloaded 1/5 layers to GPU"]
+
+
+def test_ngl_n_layer_leaves_the_first_layer_on_cpu(one_gpu):
+    p = plan_placement(N_LAYER, N_LAYER, one_gpu)
+    assert names(p.layer_devices) == ["CPU", "VGPU0", "VGPU0", "VGPU0"] and p.output_device.name == "VGPU0"
+    assert p.info_log_lines() == ["load_tensors: offloading output layer to GPU",
+                                  "load_tensors: offloading 3 repeating layers to GPU",
+                                  "load_tensors: offloaded 4/5 layers to GPU"]
+
+
+@pytest.mark.parametrize("ngl", [N_LAYER + 1, -1, 999])
+def test_full_offload_reports_n_layer_minus_1_repeating_layers(one_gpu, ngl):
+    p = plan_placement(N_LAYER, ngl, one_gpu)
+    assert names(p.layer_devices) == ["VGPU0"] * N_LAYER and p.output_device.name == "VGPU0"
+    assert p.input_device is CPU and p.i_gpu_start == 0
+    # QUIRK: all 4 layers are on the GPU, yet llama.cpp says 3 repeating layers.
+    assert p.info_log_lines() == ["load_tensors: offloading output layer to GPU",
+                                  "load_tensors: offloading 3 repeating layers to GPU",
+                                  "load_tensors: offloaded 5/5 layers to GPU"]
+
+
+def test_no_gpus_means_all_cpu_and_no_offload_lines():
+    p = plan_placement(N_LAYER, -1, [])
+    assert names(p.layer_devices) == ["CPU"] * N_LAYER and p.output_device is CPU
+    assert p.info_log_lines() == []
+
+
+def test_tensor_split_3_1_over_two_virtual_gpus():
+    gpus = virtual_devices(["VGPU0=1GiB", "VGPU1=1GiB"])
+    p = plan_placement(7, -1, gpus, tensor_split=[3, 1])
+    # act = 8, split points 0.75, 1: (il - 0)/8 < 0.75 for il 0..5 -> VGPU0; il 6 and output -> VGPU1
+    assert names(p.layer_devices) == ["VGPU0"] * 6 + ["VGPU1"] and p.output_device.name == "VGPU1"
+
+
+def test_default_split_follows_virtual_capacity(two_gpus):
+    p = plan_placement(7, -1, two_gpus)  # capacities 3 GiB and 1 GiB: the same as -ts 3,1
+    assert names(p.layer_devices) == ["VGPU0"] * 6 + ["VGPU1"] and p.output_device.name == "VGPU1"
+    assert p == plan_placement(7, -1, two_gpus, tensor_split=[0, 0])  # all zero = default
+
+
+def test_partial_offload_splits_only_the_gpu_layers(two_gpus):
+    p = plan_placement(7, 4, two_gpus, tensor_split=[1, 1])
+    # i_gpu_start = 4, act = 4: layers 4, 5 -> VGPU0 (0/4, 1/4 < 0.5), layer 6 and output -> VGPU1
+    assert names(p.layer_devices) == ["CPU"] * 4 + ["VGPU0", "VGPU0", "VGPU1"] and p.output_device.name == "VGPU1"
+
+
+def test_zero_weight_gpu_gets_no_layers(two_gpus):
+    p = plan_placement(N_LAYER, -1, two_gpus, tensor_split=[0, 1])
+    assert names(p.layer_devices) == ["VGPU1"] * N_LAYER
+
+
+def test_kv_follows_layer_device_unless_nkvo(one_gpu):
+    p = plan_placement(N_LAYER, 3, one_gpu)
+    assert p.kv_devices == p.layer_devices and names(p.kv_devices) == ["CPU", "CPU", "VGPU0", "VGPU0"]
+    nkvo = plan_placement(N_LAYER, 3, one_gpu, offload_kqv=False)
+    assert nkvo.layer_devices == p.layer_devices and names(nkvo.kv_devices) == ["CPU"] * N_LAYER
+
+
+def test_debug_lines_name_each_layer_and_mark_virtual(one_gpu):
+    p = plan_placement(2, 2, one_gpu)
+    assert p.debug_log_lines(is_swa=[True, False]) == [
+        "load_tensors: layer   0 assigned to device CPU, is_swa = 1",
+        "load_tensors: layer   1 assigned to device VGPU0 (virtual), is_swa = 0",
+        "load_tensors: layer   2 assigned to device VGPU0 (virtual), is_swa = 0",
+    ]
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(n_layer=0, n_gpu_layers=1), "n_layer"),
+    (dict(n_layer=4, n_gpu_layers=1, tensor_split=[1, 2]), "tensor_split has 2 values for 1 GPUs"),
+    (dict(n_layer=4, n_gpu_layers=1, tensor_split=[-1]), ">= 0"),
+])
+def test_bad_placement_requests_are_refused(one_gpu, kwargs, fragment):
+    with pytest.raises(DeviceSpecError, match=fragment):
+        plan_placement(gpus=one_gpu, **kwargs)
+
+
+def test_cpu_is_not_a_gpu():
+    with pytest.raises(DeviceSpecError, match="CPU"):
+        plan_placement(N_LAYER, 1, [CPU])
+
+
+# ---- devices -------------------------------------------------------------------------------------------
+def test_discovery_lists_the_cpu_first_and_only_real_devices():
+    devices = discover_devices()
+    assert devices[0] is CPU and str(CPU) == "CPU" and not CPU.is_virtual
+    assert all(not d.is_virtual for d in devices)
+    assert sum(d.kind == "cuda" for d in devices) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+
+
+def test_virtual_device_is_labelled_and_lives_on_the_host():
+    dev = virtual_device("VGPU0=2GiB")
+    assert dev.is_virtual and dev.kind == "virtual" and dev.is_gpu
+    assert str(dev) == "VGPU0 (virtual)" and "virtual" in repr(dev)
+    assert dev.torch_device == torch.device("cpu") and dev.capacity == 2 << 30
+
+
+@pytest.mark.parametrize("text, nbytes", [("512B", 512), ("4KiB", 4096), ("3MiB", 3 << 20), ("1.5GiB", 3 << 29),
+                                          (" 2 GiB ", 2 << 30)])
+def test_sizes_parse_in_binary_units(text, nbytes):
+    assert parse_size(text) == nbytes
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("VGPU0", "NAME=SIZE"), ("=2GiB", "NAME=SIZE"), ("VGPU0=2GB", "bad size"), ("VGPU0=lots", "NAME=SIZE"),
+    ("VGPU0=0B", "above 0"), ("CPU=1GiB", "already used"), ("0GPU=1GiB", "NAME=SIZE"),
+])
+def test_bad_virtual_specs_are_refused(spec, fragment):
+    with pytest.raises(DeviceSpecError, match=fragment) as info:
+        virtual_devices([spec])
+    assert isinstance(info.value, ValueError) and isinstance(info.value, KvscopeError)
+
+
+def test_duplicate_virtual_names_are_refused():
+    with pytest.raises(DeviceSpecError, match="already used"):
+        virtual_devices(["VGPU0=1GiB", "vgpu0=2GiB"])
+
+
+def test_virtual_memory_is_accounted_against_capacity():
+    dev = virtual_device("VGPU0=1KiB")
+    dev.reserve(1000)
+    assert dev.free_bytes() == 24 and dev.reserved_bytes() == 1000
+    with pytest.raises(DeviceSpecError, match="VGPU0 \\(virtual\\): 25 bytes needed but only 24 free"):
+        dev.reserve(25)
+    dev.release(1000)
+    assert dev.free_bytes() == 1024
+
+
+# ---- a context's KV cache follows the placement ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model():
+    return in_memory_model()
+
+
+def cache_devices(ctx) -> dict[int, str]:
+    """model layer -> the name of the device its K/V live on."""
+    return {il: dev.name for cache in ctx.memory.caches()
+            for il, dev in zip(cache.layout.layer_ids, cache.layer_devices)}
+
+
+def test_defaults_keep_everything_on_the_cpu(model):
+    ctx = engine.Context(model, n_ctx=256)
+    assert set(cache_devices(ctx).values()) == {"CPU"} and ctx.placement.output_device is CPU
+    assert all(rows.device == torch.device("cpu") for rows in ctx.memory.k + ctx.memory.v)
+
+
+def test_kv_cache_layers_follow_the_plan(model):
+    n_layer = model.config.n_layer
+    gpus = virtual_devices(["VGPU0=1GiB", "VGPU1=1GiB"])
+    ctx = engine.Context(model, n_ctx=256, devices=gpus, n_gpu_layers=n_layer, tensor_split=[1, 1])
+    expected = plan_placement(n_layer, n_layer, gpus, [1, 1])
+    assert cache_devices(ctx) == {il: d.name for il, d in enumerate(expected.kv_devices)}
+    assert cache_devices(ctx)[0] == "CPU"  # ngl = n_layer leaves layer 0 on the CPU
+    # virtual devices hold their share on the host and are accounted there
+    assert all(rows.device == torch.device("cpu") for rows in ctx.memory.k + ctx.memory.v)
+    per_layer = ctx.memory.layout.layer_buffer_bytes()
+    for gpu in gpus:
+        n_on_gpu = sum(d is gpu for d in expected.kv_devices)
+        assert gpu.reserved_bytes() == ctx.kv_bytes_by_device.get(gpu, 0) == n_on_gpu * per_layer
+    assert ctx.decode(Batch.for_sequence([1, 2, 3], seq_id=0, start_pos=0)) == 0
+
+
+def test_nkvo_keeps_kv_on_the_cpu_and_reserves_nothing(model):
+    gpu = virtual_device("VGPU0=1KiB")  # far too small for the KV, but -nkvo keeps it on the CPU
+    ctx = engine.Context(model, n_ctx=256, devices=[gpu], n_gpu_layers=-1, offload_kqv=False)
+    assert set(cache_devices(ctx).values()) == {"CPU"} and ctx.placement.output_device is gpu
+    assert gpu.reserved_bytes() == 0
+
+
+def test_kv_that_does_not_fit_a_virtual_device_is_refused_before_allocating(model, monkeypatch):
+    small, big = virtual_device("VGPU0=1KiB"), virtual_device("VGPU1=1GiB")
+
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("the cache was built although the context is refused")
+
+    monkeypatch.setattr("engine.context.build_memory", no_allocation)
+    with pytest.raises(ContextParamsError) as info:
+        engine.Context(model, n_ctx=256, devices=[small, big], n_gpu_layers=-1, tensor_split=[1, 1])
+    message = str(info.value)
+    assert "VGPU0 (virtual)" in message and "only 1024 bytes are free" in message
+    need = int(message.split("needs ")[1].split(" bytes")[0])
+    assert need > 1024
+    assert small.reserved_bytes() == big.reserved_bytes() == 0  # nothing reserved on either device
+
+
+def test_reservations_add_up_and_are_released_with_the_context(model):
+    probe = engine.Context(model, n_ctx=256)
+    kv = probe.memory.layout.buffer_bytes()
+    gpu = virtual_device(f"VGPU0={kv + kv // 2}B")  # room for one context's KV, not two
+    first = engine.Context(model, n_ctx=256, devices=[gpu], n_gpu_layers=-1)
+    assert gpu.free_bytes() == kv // 2
+    with pytest.raises(ContextParamsError, match=f"needs {kv} bytes on VGPU0 \\(virtual\\) but only {kv // 2}"):
+        engine.Context(model, n_ctx=256, devices=[gpu], n_gpu_layers=-1)
+    del first
+    gc.collect()
+    assert gpu.free_bytes() == gpu.capacity
+    engine.Context(model, n_ctx=256, devices=[gpu], n_gpu_layers=-1)
+
+
+def test_device_names_and_specs_are_accepted_and_bad_ones_refused(model):
+    ctx = engine.Context(model, n_ctx=256, devices=["VGPU7=1GiB"], n_gpu_layers=1)
+    assert str(ctx.placement.output_device) == "VGPU7 (virtual)"
+    with pytest.raises(DeviceSpecError, match="unknown device 'NOPE0'; available: CPU"):
+        engine.Context(model, n_ctx=256, devices=["NOPE0"], n_gpu_layers=1)
+    with pytest.raises(DeviceSpecError, match="CPU cannot be an offload device"):
+        engine.Context(model, n_ctx=256, devices=["CPU"], n_gpu_layers=1)
+    with pytest.raises(DeviceSpecError, match="listed twice"):
+        gpu = virtual_device("VGPU0=1GiB")
+        engine.Context(model, n_ctx=256, devices=[gpu, gpu], n_gpu_layers=1)
+
+
+def test_placement_lines_are_logged(model, caplog):
+    with caplog.at_level(logging.DEBUG, logger="kvscope"):
+        engine.Context(model, n_ctx=256, devices=["VGPU0=1GiB"], n_gpu_layers=-1)
+    n = model.config.n_layer
+    assert "load_tensors: offloading output layer to GPU" in caplog.text
+    assert f"load_tensors: offloaded {n + 1}/{n + 1} layers to GPU" in caplog.text
+    assert f"load_tensors: layer {n:3d} assigned to device VGPU0 (virtual), is_swa = 0" in caplog.text
+
+
+# ---- KV buffers per device (spec section 11) ----------------------------------------------------------------
+def test_init_lines_show_one_kv_buffer_per_device_sorted_by_name(model):
+    gpu = virtual_device("VGPU0=1GiB")
+    ctx = engine.Context(model, n_ctx=256, devices=[gpu], n_gpu_layers=model.config.n_layer)  # layer 0 on the CPU
+    per_layer_mib = ctx.memory.layout.layer_buffer_bytes() / 2 ** 20
+    assert [line for line in ctx.init_log_lines if "KV buffer size" in line] == [
+        f"llama_kv_cache:        CPU KV buffer size = {per_layer_mib:8.2f} MiB",
+        f"llama_kv_cache: VGPU0 (virtual) KV buffer size = {per_layer_mib * (model.config.n_layer - 1):8.2f} MiB",
+    ]
+
+
+def test_cuda_buffers_are_128_aligned_and_pad_quantized_rows_to_512_values():
+    from engine.kv.layout import CacheLayout
+    from engine.kv.types import cache_type
+
+    cuda = Device("CUDA0", "cuda", torch.device("cuda", 0))  # sizes only: nothing is allocated
+    lo = CacheLayout(layer_ids=(0, 1), n_embd_k=96, n_embd_v=96, n_head_kv=1, head_dim=96, kv_size=256, n_stream=1,
+                     n_seq_max=1, type_k=cache_type("q8_0"), type_v=cache_type("f16"), v_trans=False)
+    k_cpu, v_cpu = 256 * 3 * 34, 256 * 96 * 2  # 3 q8_0 blocks of 34 bytes; 96 f16 values
+    k_cuda = (k_cpu + (512 - 96) // 32 * 34 + 127) // 128 * 128  # once per tensor: a row of 416 more values
+    assert lo.buffer_bytes_by_device([CPU, cuda]) == {CPU: k_cpu + v_cpu, cuda: k_cuda + v_cpu}
+    assert k_cuda == 26624
+
+
+def test_torch_devices_map_to_llama_cpp_names():
+    from engine.devices import as_device
+
+    assert as_device("cpu") is CPU and as_device(torch.device("cpu")) is CPU
+    assert as_device("cuda:1").name == "CUDA1" and as_device("cuda").name == "CUDA0"
+    gpu = virtual_device("VGPU0=1GiB")
+    assert as_device(gpu) is gpu
