@@ -103,13 +103,15 @@ def main() -> None:
     prompt = torch.randint(3, model.n_vocab, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
     rows: dict[str, list[tuple[float, ...]]] = {"transformers": [], "kvscope": [], "kvscope+events": []}
     run_kvscope(model, prompt[:8], 4, False)  # warm-up
-    floors = []
+    floors, n_events = [], 0
     for rep in range(args.reps):
         floors.append(weight_streaming_floor(model))
         rows["transformers"].append(run_transformers(hf, prompt, args.new))
-        rows["kvscope"].append(run_kvscope(model, prompt, args.new, False)[:2])
-        p, d, n_events = run_kvscope(model, prompt, args.new, True)
-        rows["kvscope+events"].append((p, d))
+        # Alternate which kvscope run goes first, so that neither always follows the other.
+        for with_events in ((False, True) if rep % 2 == 0 else (True, False)):
+            p, d, n = run_kvscope(model, prompt, args.new, with_events)
+            rows["kvscope+events" if with_events else "kvscope"].append((p, d))
+            n_events = n if with_events else n_events
         print(f"rep {rep + 1}: " + ", ".join(f"{k} decode {v[-1][1]:.1f} tok/s" for k, v in rows.items()))
 
     def paired(a: str, b: str, i: int) -> float:
