@@ -286,6 +286,7 @@ def test_gemma3_embedding_model_is_refused(tiny_gemma3_hf, tmp_path):
     ("mistral", (r"'mistral' is not supported \(llama.cpp's converter writes Mistral models as 'llama'\); "
                  r"kvscope runs llama, qwen2, gemma2, gemma3")),
     ("gemma", r"'gemma' is not supported; kvscope runs llama, qwen2, gemma2, gemma3"),
+    ("mamba", r"mamba\.gguf: architecture 'mamba' .*llama, qwen2"),
 ])
 def test_gguf_unsupported_architectures(tmp_path, arch, pattern):
     path = tmp_path / f"{arch}.gguf"

@@ -404,19 +404,6 @@ def test_truncated_gguf(tiny_llama_gguf: Path, tmp_path: Path, keep: float) -> N
         read_checkpoint(cut)
 
 
-def test_gguf_of_unsupported_architecture(tmp_path: Path) -> None:
-    path = tmp_path / "mamba.gguf"
-    writer = gguf.GGUFWriter(str(path), "mamba")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(UnsupportedArchitectureError, match=r"mamba\.gguf: architecture 'mamba' .*llama, qwen2"):
-        read_checkpoint(path)
-
-
 def test_hf_folder_of_unsupported_architecture(tiny_llama_hf: Path, tmp_path: Path) -> None:
     folder = _copy_folder(tiny_llama_hf, tmp_path / "gemma")
     config = json.loads((folder / "config.json").read_text())
