@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 import time
 
@@ -28,7 +29,39 @@ def _add_context_flags(p: argparse.ArgumentParser) -> None:
                    help="decides the V layout as in llama.cpp (off: V transposed)")
     p.add_argument("--swa-full", action="store_true", help="full-size SWA cache (sliding-window models)")
     p.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"], help="compute dtype")
+    _add_device_flags(p)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def _add_device_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers", type=_gpu_layers, default=0,
+                   help="layers to offload to the GPUs, the output layer counting as one (default 0; 'all' or -1: "
+                        "every layer)")
+    p.add_argument("-ts", "--tensor-split", type=_tensor_split, default=None,
+                   help="share of the offloaded layers per GPU, e.g. 3,1 (default: by free memory)")
+    p.add_argument("-nkvo", "--no-kv-offload", dest="offload_kqv", action="store_false",
+                   help="keep the KV cache on the CPU even for offloaded layers")
+    p.add_argument("--virtual-gpu", action="append", default=None, metavar="NAME=SIZE",
+                   help="add a virtual GPU, e.g. VGPU0=2GiB (repeatable). Virtual: its memory is host memory, "
+                        "accounted against the given size. When given, only these GPUs are used")
+
+
+def _gpu_layers(text: str) -> int:
+    """llama.cpp's -ngl: a number, or 'all' (every layer, -1)."""
+    if text.strip().lower() == "all":
+        return -1
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of layers or 'all', got {text!r}") from None
+
+
+def _tensor_split(text: str) -> list[float]:
+    """llama.cpp's -ts: comma- or slash-separated weights, one per GPU."""
+    try:
+        return [float(part) for part in re.split(r"[,/]", text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected weights like 3,1, got {text!r}") from None
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -79,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _context_kwargs(args: argparse.Namespace) -> dict:
     return dict(n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size, n_seq_max=args.parallel,
                 kv_unified=args.kv_unified, pad=args.pad, type_k=args.cache_type_k, type_v=args.cache_type_v,
-                flash_attn=args.flash_attn, swa_full=args.swa_full)
+                flash_attn=args.flash_attn, swa_full=args.swa_full, devices=args.virtual_gpu,
+                n_gpu_layers=args.n_gpu_layers, tensor_split=args.tensor_split, offload_kqv=args.offload_kqv)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -191,6 +225,10 @@ def _print_perf(ctx, gen, load_ms: float) -> None:
                  f"({per:8.2f} ms per token, {tps:8.2f} tokens per second)")
     total = load_ms + perf.t_p_eval_ms + perf.t_eval_ms + gen.t_sample_ms
     lines.append(f"{name}:       total time = {total:10.2f} ms / {perf.n_p_eval + perf.n_eval:5d} tokens")
+    if ctx.placement.gpus_present:
+        # not a llama.cpp line: the activation traffic between devices that offloading costs
+        lines.append(f"kvscope_perf_print: device transfers = {perf.bytes_moved / 2 ** 20:10.2f} MiB / "
+                     f"{perf.n_tokens_computed:5d} tokens ({perf.bytes_moved_per_token:8.0f} bytes per token)")
     for line in lines:
         print(line, file=sys.stderr)
 

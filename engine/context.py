@@ -6,6 +6,7 @@ after a failure part-way through a batch.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 import weakref
@@ -17,7 +18,7 @@ import torch
 
 from engine import events as ev
 from engine.batch import Batch, BatchAllocator, UBatch
-from engine.devices import Device, Placement, plan_placement, resolve_gpus
+from engine.devices import CPU, Device, Placement, plan_placement, resolve_gpus
 from engine.errors import BatchTooLargeError, ContextParamsError, InvalidBatchError
 from engine.kv.factory import build_memory, cache_layouts, kv_bytes_by_device
 from engine.kv.memory import Memory
@@ -102,9 +103,47 @@ def _release_reservations(reserved: dict[Device, int]) -> None:
         dev.release(nbytes)
 
 
+class WeightPlacement:
+    """A model's weights placed on devices (spec section 12), shared by every context that asks for
+    the same placement: weights exist once per model. Virtual devices account the weight bytes until
+    the last such context is garbage collected; then the weights go back to the CPU."""
+
+    def __init__(self, transformer, placement: Placement, weight_bytes: dict[Device, int]) -> None:
+        self.stages = tuple(placement.layer_devices) + (placement.output_device,)
+        for dev, nbytes in weight_bytes.items():
+            dev.reserve(nbytes)
+        transformer.place(placement.layer_devices, placement.output_device)
+        weakref.finalize(self, _unplace_weights, transformer, weight_bytes)
+
+    def matches(self, placement: Placement) -> bool:
+        # by identity: two virtual devices with the same name and size are still two ledgers
+        wanted = tuple(placement.layer_devices) + (placement.output_device,)
+        return all(a is b for a, b in zip(self.stages, wanted))
+
+
+def _unplace_weights(transformer, weight_bytes: dict[Device, int]) -> None:
+    n_layer = len(transformer.layers)
+    transformer.place((CPU,) * n_layer, CPU)
+    _release_reservations(weight_bytes)
+
+
+def weight_bytes_by_device(transformer, placement: Placement) -> dict[Device, int]:
+    """Bytes of model weights each device holds under placement; the input embedding is always the CPU's."""
+    out: dict[Device, int] = {}
+    for il, dev in enumerate(placement.layer_devices):
+        out[dev] = out.get(dev, 0) + transformer.layer_weight_bytes(il)
+    dev = placement.output_device
+    out[dev] = out.get(dev, 0) + transformer.output_weight_bytes()
+    return out
+
+
+def offloads_anything(placement: Placement) -> bool:
+    return any(d is not CPU for d in placement.layer_devices + (placement.output_device,))
+
+
 @dataclass
 class PerfCounters:
-    """llama.cpp's llama_perf_context numbers."""
+    """llama.cpp's llama_perf_context numbers, plus the activation bytes moved between devices."""
 
     t_p_eval_ms: float = 0.0
     n_p_eval: int = 0
@@ -112,6 +151,12 @@ class PerfCounters:
     n_eval: int = 0
     n_decode: int = 0
     ubatch_ms: list[float] = field(default_factory=list)
+    bytes_moved: int = 0  # activations copied across device boundaries (layer -> layer, last layer -> output)
+    n_tokens_computed: int = 0  # tokens through the model, for the per-token average
+
+    @property
+    def bytes_moved_per_token(self) -> float:
+        return self.bytes_moved / self.n_tokens_computed if self.n_tokens_computed else 0.0
 
 
 class Context:
@@ -124,8 +169,9 @@ class Context:
                  devices: Sequence[Device | str] | None = None, n_gpu_layers: int = 0,
                  tensor_split: Sequence[float] | None = None, offload_kqv: bool = True) -> None:
         """devices: the GPUs to offload to (None: the real ones found; see engine.devices.resolve_gpus),
-        n_gpu_layers/tensor_split/offload_kqv as llama.cpp's -ngl/-ts/-kvo. Only the KV cache follows the
-        placement so far; model weights stay where the model put them."""
+        n_gpu_layers/tensor_split/offload_kqv as llama.cpp's -ngl/-ts/-kvo. Each layer's K/V and, when
+        anything is offloaded, each layer's weights and the output layer's go to their device. Weights are
+        shared by the model's contexts, so a context whose placement differs from a live one's is refused."""
         cfg = model.config
         self.model = model
         self.params = ContextParams.resolve(
@@ -140,7 +186,14 @@ class Context:
                                                    offload_kqv)
         self._log_placement()
         self.kv_bytes_by_device = kv_bytes_by_device(cache_layouts(cfg, p), self.placement.kv_devices)
-        self._reserve_virtual_memory()  # before anything is allocated: a refusal leaves no trace
+        self.weights = self._existing_weight_placement()
+        self.weight_bytes_by_device = (weight_bytes_by_device(model.transformer, self.placement)
+                                       if self.weights is None and offloads_anything(self.placement) else {})
+        self._check_virtual_memory()  # before anything is reserved or allocated: a refusal leaves no trace
+        if self.weight_bytes_by_device:
+            self.weights = WeightPlacement(model.transformer, self.placement, self.weight_bytes_by_device)
+            model.transformer.weight_placement = weakref.ref(self.weights)
+        self._reserve_virtual_memory()
         self.memory: Memory = build_memory(cfg, p, bus=self.bus, key_shifter=model.transformer.rotary.shift_keys,
                                            kv_devices=self.placement.kv_devices)
         self.init_log_lines = self._context_log_lines() + self.memory.init_log_lines()
@@ -175,17 +228,43 @@ class Context:
         for line in self.placement.info_log_lines():
             log.info("%s", line)
 
-    def _reserve_virtual_memory(self) -> None:
-        """Refuse a KV cache that does not fit a virtual device, else account it there until this
-        context is garbage collected. Real devices are left to torch, which raises when out of memory."""
-        virtual = {dev: n for dev, n in self.kv_bytes_by_device.items() if dev.is_virtual}
-        for dev, need in virtual.items():
+    def _existing_weight_placement(self) -> WeightPlacement | None:
+        """The live placement of this model's weights, if any. One that differs from ours is refused:
+        the weights exist once. A context not yet garbage collected may still hold one, hence gc."""
+        transformer = self.model.transformer
+        for attempt in range(2):
+            ref = getattr(transformer, "weight_placement", None)
+            live = ref() if ref is not None else None
+            if live is None:
+                return None
+            if live.matches(self.placement):
+                return live
+            if attempt == 0:
+                gc.collect()
+        raise ContextParamsError(
+            f"model {self.model.name!r} already has its weights placed on "
+            f"{', '.join(sorted({str(d) for d in live.stages}))} by another context; a context with a different "
+            f"placement (n_gpu_layers, tensor_split, devices) needs that context deleted first")
+
+    def _check_virtual_memory(self) -> None:
+        """Refuse weights + KV cache that do not fit a virtual device. Real devices are left to torch,
+        which raises when out of memory."""
+        for dev in {**self.kv_bytes_by_device, **self.weight_bytes_by_device}:
+            if not dev.is_virtual:
+                continue
+            kv, weights = self.kv_bytes_by_device.get(dev, 0), self.weight_bytes_by_device.get(dev, 0)
             free = dev.free_bytes()
-            if need > free:
+            if kv + weights > free:
+                what = f"the KV cache needs {kv} bytes" if not weights else \
+                    f"weights ({weights} bytes) and the KV cache ({kv} bytes) need {weights + kv} bytes"
                 raise ContextParamsError(
-                    f"the KV cache needs {need} bytes on {dev} but only {free} bytes are free (capacity "
+                    f"{what} on {dev} but only {free} bytes are free (capacity "
                     f"{dev.capacity}); use a smaller n_ctx, a quantized cache type, fewer n_gpu_layers, "
                     f"offload_kqv=False, or a larger device")
+
+    def _reserve_virtual_memory(self) -> None:
+        """Account the KV cache on virtual devices until this context is garbage collected."""
+        virtual = {dev: n for dev, n in self.kv_bytes_by_device.items() if dev.is_virtual}
         for dev, need in virtual.items():
             dev.reserve(need)
         weakref.finalize(self, _release_reservations, virtual)
@@ -264,6 +343,7 @@ class Context:
             self.memory.apply_ubatch(sinfo, ub, ubatch_index=k)
             attn = self.memory.attention_inputs(sinfo, ub)
             rows = np.flatnonzero(ub.output)
+            moved = transformer.bytes_moved
             try:
                 logits = transformer.forward(torch.from_numpy(ub.tokens), torch.from_numpy(ub.pos), attn,
                                              torch.from_numpy(rows), self.abort_callback)
@@ -273,6 +353,8 @@ class Context:
             except RuntimeError as e:
                 self._remove_failed_ubatch(ub)
                 return self._fail(-3, f"decode: compute failed: {e}", alloc.n_tokens, t0, ubatches)
+            self.perf.bytes_moved += transformer.bytes_moved - moved
+            self.perf.n_tokens_computed += ub.n_tokens
             out_idx.append(ub.idxs[rows])
             out_logits.append(logits)
             ms.append((time.perf_counter() - tu) * 1e3)

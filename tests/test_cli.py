@@ -45,7 +45,8 @@ def test_console_script_is_installed():
     proc = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0
     for flag in ("-ctk", "-ub", "-np", "-kvu", "--pad", "--temp", "--top-k", "--min-p", "--repeat-penalty",
-                 "--context-shift", "--keep"):
+                 "--context-shift", "--keep", "-ngl", "--n-gpu-layers", "-ts", "-nkvo",
+                 "--virtual-gpu"):
         assert flag in proc.stdout
     proc = subprocess.run([sys.executable, "-m", "engine.cli", "parallel", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0
@@ -58,3 +59,40 @@ def test_default_context_is_the_models_training_context(capsys):
     rc, _, err = run(["generate", "-p", "And", "-n", "2", "--temp", "0"], capsys)
     assert rc == 0
     assert "llama_kv_cache_iswa: creating non-SWA KV cache, size = 1024 cells" in err
+
+
+def test_virtual_gpu_offload_prints_placement_and_kv_buffer(tiny_llama_gguf, capsys):
+    rc, _, err = run(["generate", "-m", str(tiny_llama_gguf), "-p", "The", "-n", "2", "-c", "256", "--pad", "32",
+                      "--temp", "0", "--virtual-gpu", "VGPU0=64MiB", "-ngl", "99"], capsys)
+    assert rc == 0
+    assert "load_tensors: offloaded 3/3 layers to GPU" in err  # 2 layers + the output layer
+    assert re.search(r"llama_kv_cache: VGPU0 \(virtual\) KV buffer size = +[\d.]+ MiB", err)
+    assert "CPU KV buffer size" not in err
+    # the input embedding is on the CPU: each token's activation (64 f32 values) crosses to VGPU0 once
+    m = re.search(r"kvscope_perf_print: device transfers = +[\d.]+ MiB / +(\d+) tokens \( *(\d+) bytes per token\)", err)
+    assert m and int(m.group(1)) > 0 and m.group(2) == "256"
+
+
+def test_ngl_all_tensor_split_and_nkvo_flags(tiny_llama_gguf, capsys):
+    rc, _, err = run(["generate", "-m", str(tiny_llama_gguf), "-p", "The", "-n", "1", "-c", "256", "--temp", "0",
+                      "--virtual-gpu", "VGPU0=64MiB", "--virtual-gpu", "VGPU1=64MiB", "-ngl", "all", "-ts", "1,1",
+                      "-nkvo", "-v"], capsys)
+    assert rc == 0
+    assert "load_tensors: layer   0 assigned to device VGPU0 (virtual)" in err
+    assert "load_tensors: layer   2 assigned to device VGPU1 (virtual)" in err  # the output layer
+    assert "llama_kv_cache:        CPU KV buffer size" in err and "VGPU0 (virtual) KV buffer" not in err
+
+
+def test_too_small_virtual_gpu_is_a_clear_error(tiny_llama_gguf, capsys):
+    rc, _, err = run(["generate", "-m", str(tiny_llama_gguf), "-p", "The", "-n", "1", "-c", "256",
+                      "--virtual-gpu", "VGPU0=1KiB", "-ngl", "all"], capsys)
+    assert rc == 1
+    assert re.search(r"error: weights \(\d+ bytes\) and the KV cache \(\d+ bytes\) need \d+ bytes on VGPU0 "
+                     r"\(virtual\) but only 1024 bytes are free", err)
+
+
+def test_parallel_accepts_the_device_flags(tiny_llama_gguf, capsys):
+    rc, _, err = run(["parallel", "-m", str(tiny_llama_gguf), "-np", "2", "-ns", "2", "-n", "4", "-c", "512",
+                      "--seed", "1", "--virtual-gpu", "VGPU0=64MiB", "-ngl", "1"], capsys)
+    assert rc == 0
+    assert "load_tensors: offloaded 1/3 layers to GPU" in err

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
+import re
 
 import pytest
 import torch
@@ -179,6 +181,12 @@ def model():
     return in_memory_model()
 
 
+def model_weight_bytes(model) -> int:
+    """Every layer's weights plus the output layer's: what a full offload puts on one GPU."""
+    tf = model.transformer
+    return sum(tf.layer_weight_bytes(il) for il in range(model.config.n_layer)) + tf.output_weight_bytes()
+
+
 def cache_devices(ctx) -> dict[int, str]:
     """model layer -> the name of the device its K/V live on."""
     return {il: dev.name for cache in ctx.memory.caches()
@@ -203,15 +211,17 @@ def test_kv_cache_layers_follow_the_plan(model):
     per_layer = ctx.memory.layout.layer_buffer_bytes()
     for gpu in gpus:
         n_on_gpu = sum(d is gpu for d in expected.kv_devices)
-        assert gpu.reserved_bytes() == ctx.kv_bytes_by_device.get(gpu, 0) == n_on_gpu * per_layer
+        assert ctx.kv_bytes_by_device.get(gpu, 0) == n_on_gpu * per_layer
+        assert gpu.reserved_bytes() == n_on_gpu * per_layer + ctx.weight_bytes_by_device.get(gpu, 0)
     assert ctx.decode(Batch.for_sequence([1, 2, 3], seq_id=0, start_pos=0)) == 0
 
 
 def test_nkvo_keeps_kv_on_the_cpu_and_reserves_nothing(model):
-    gpu = virtual_device("VGPU0=1KiB")  # far too small for the KV, but -nkvo keeps it on the CPU
+    weights = model_weight_bytes(model)
+    gpu = virtual_device(f"VGPU0={weights}B")  # room for the weights only, but -nkvo keeps the KV on the CPU
     ctx = engine.Context(model, n_ctx=256, devices=[gpu], n_gpu_layers=-1, offload_kqv=False)
     assert set(cache_devices(ctx).values()) == {"CPU"} and ctx.placement.output_device is gpu
-    assert gpu.reserved_bytes() == 0
+    assert gpu.reserved_bytes() == weights and gpu.free_bytes() == 0
 
 
 def test_kv_that_does_not_fit_a_virtual_device_is_refused_before_allocating(model, monkeypatch):
@@ -225,7 +235,7 @@ def test_kv_that_does_not_fit_a_virtual_device_is_refused_before_allocating(mode
         engine.Context(model, n_ctx=256, devices=[small, big], n_gpu_layers=-1, tensor_split=[1, 1])
     message = str(info.value)
     assert "VGPU0 (virtual)" in message and "only 1024 bytes are free" in message
-    need = int(message.split("needs ")[1].split(" bytes")[0])
+    need = int(re.search(r"needs? (\d+) bytes on VGPU0", message).group(1))
     assert need > 1024
     assert small.reserved_bytes() == big.reserved_bytes() == 0  # nothing reserved on either device
 
@@ -233,7 +243,8 @@ def test_kv_that_does_not_fit_a_virtual_device_is_refused_before_allocating(mode
 def test_reservations_add_up_and_are_released_with_the_context(model):
     probe = engine.Context(model, n_ctx=256)
     kv = probe.memory.layout.buffer_bytes()
-    gpu = virtual_device(f"VGPU0={kv + kv // 2}B")  # room for one context's KV, not two
+    weights = model_weight_bytes(model)  # reserved once: the contexts share the model's weights
+    gpu = virtual_device(f"VGPU0={weights + kv + kv // 2}B")  # room for one context's KV, not two
     first = engine.Context(model, n_ctx=256, devices=[gpu], n_gpu_layers=-1)
     assert gpu.free_bytes() == kv // 2
     with pytest.raises(ContextParamsError, match=f"needs {kv} bytes on VGPU0 \\(virtual\\) but only {kv // 2}"):
@@ -296,3 +307,135 @@ def test_torch_devices_map_to_llama_cpp_names():
     assert as_device("cuda:1").name == "CUDA1" and as_device("cuda").name == "CUDA0"
     gpu = virtual_device("VGPU0=1GiB")
     assert as_device(gpu) is gpu
+
+
+# ---- model weights follow the placement; activations cross device boundaries -------------------------------
+F32 = 4
+PROMPT = [1, 5, 9, 2, 7]
+
+
+@pytest.fixture
+def model4():
+    """A fresh 4-layer model per test: weight placement is a property of the model, shared by its contexts."""
+    return in_memory_model(n_layer=4)
+
+
+def expected_weight_bytes(model, placement) -> dict[str, int]:
+    tf, out = model.transformer, {}
+    for il, dev in enumerate(placement.layer_devices):
+        out[dev.name] = out.get(dev.name, 0) + tf.layer_weight_bytes(il)
+    out[placement.output_device.name] = out.get(placement.output_device.name, 0) + tf.output_weight_bytes()
+    return out
+
+
+def expected_bytes_moved(model, placement, n_tokens: int, n_outputs: int) -> int:
+    """Every token's activation crosses each boundary between consecutive layers' devices (the input
+    embedding is on the CPU); only the output rows cross into the output layer's device."""
+    stages = ["CPU"] + [d.name for d in placement.layer_devices]
+    layer_crossings = sum(a != b for a, b in itertools.pairwise(stages))
+    output_crossing = int(placement.output_device.name != stages[-1])
+    row = model.config.n_embd * F32
+    return (layer_crossings * n_tokens + output_crossing * n_outputs) * row
+
+
+def test_each_device_reserves_its_layer_weights_and_kv(model4):
+    gpus = virtual_devices(["VGPU0=1GiB", "VGPU1=1GiB"])
+    ctx = engine.Context(model4, n_ctx=256, devices=gpus, n_gpu_layers=-1, tensor_split=[1, 1])
+    weights = expected_weight_bytes(model4, ctx.placement)
+    assert names(ctx.placement.layer_devices) == ["VGPU0", "VGPU0", "VGPU0", "VGPU1"]
+    for gpu in gpus:
+        assert gpu.reserved_bytes() == weights[gpu.name] + ctx.kv_bytes_by_device[gpu]
+    # virtual: the bytes are accounted on the device, the tensors stay in host memory
+    assert all(t.device == torch.device("cpu") for layer in model4.transformer.layers
+               for t in vars(layer).values() if t is not None)
+    del ctx
+    gc.collect()
+    assert gpus[0].reserved_bytes() == gpus[1].reserved_bytes() == 0
+    assert model4.transformer._moves == {}  # back on the CPU: no boundaries left
+
+
+def test_weights_that_do_not_fit_are_refused_before_anything_is_reserved(model4, monkeypatch):
+    probe = engine.Context(model4, n_ctx=256)
+    kv = probe.memory.layout.buffer_bytes()
+    del probe
+    plan = plan_placement(4, -1, [virtual_device("VGPU9=1GiB")])
+    weights = expected_weight_bytes(model4, plan)["VGPU9"]
+    gpu = virtual_device(f"VGPU0={weights + kv - 1}B")  # one byte short
+
+    def no_placement(*args, **kwargs):
+        raise AssertionError("weights were moved although the context is refused")
+
+    monkeypatch.setattr(type(model4.transformer), "place", no_placement)
+    with pytest.raises(ContextParamsError) as info:
+        engine.Context(model4, n_ctx=256, devices=[gpu], n_gpu_layers=-1)
+    assert str(info.value).startswith(f"weights ({weights} bytes) and the KV cache ({kv} bytes) need {weights + kv} "
+                                      f"bytes on VGPU0 (virtual) but only {weights + kv - 1} bytes are free")
+    assert gpu.reserved_bytes() == 0
+
+
+@pytest.mark.parametrize("ngl, split", [(0, None), (2, None), (4, None), (-1, [1, 1])])
+def test_bytes_moved_per_token_follow_the_plan(model4, ngl, split):
+    gpus = virtual_devices(["VGPU0=1GiB", "VGPU1=1GiB"])[: 1 if split is None else 2]
+    ctx = engine.Context(model4, n_ctx=256, devices=gpus, n_gpu_layers=ngl, tensor_split=split)
+    assert ctx.decode(Batch.for_sequence(PROMPT, seq_id=0, start_pos=0)) == 0
+    assert ctx.decode(Batch.for_sequence([3], seq_id=0, start_pos=len(PROMPT))) == 0
+    expected = (expected_bytes_moved(model4, ctx.placement, len(PROMPT), 1)
+                + expected_bytes_moved(model4, ctx.placement, 1, 1))
+    assert ctx.perf.bytes_moved == expected
+    assert ctx.perf.n_tokens_computed == len(PROMPT) + 1
+    assert ctx.perf.bytes_moved_per_token == expected / (len(PROMPT) + 1)
+
+
+def test_half_offload_moves_one_activation_row_per_token_and_two_gpus_two(model4):
+    n_embd = model4.config.n_embd
+    ctx = engine.Context(model4, n_ctx=256, devices=["VGPU0=1GiB"], n_gpu_layers=2)  # layer 3 + output on the GPU
+    ctx.decode(Batch.for_sequence(PROMPT, seq_id=0, start_pos=0))
+    assert ctx.perf.bytes_moved_per_token == 1 * n_embd * F32  # CPU -> VGPU0 before layer 3
+    del ctx
+    ctx = engine.Context(model4, n_ctx=256, devices=["VGPU0=1GiB", "VGPU1=1GiB"], n_gpu_layers=-1,
+                         tensor_split=[1, 1])
+    ctx.decode(Batch.for_sequence(PROMPT, seq_id=0, start_pos=0))
+    assert ctx.perf.bytes_moved_per_token == 2 * n_embd * F32  # CPU -> VGPU0 at layer 0, VGPU0 -> VGPU1 at 3
+
+
+@pytest.mark.parametrize("ngl", [2, 4, -1])
+def test_logits_match_the_all_cpu_run(model4, ngl):
+    cpu = engine.Context(model4, n_ctx=256)
+    cpu.decode(Batch.for_sequence(PROMPT, seq_id=0, start_pos=0, all_logits=True))
+    reference = cpu.all_logits().clone()
+    del cpu
+    ctx = engine.Context(model4, n_ctx=256, devices=["VGPU0=1GiB"], n_gpu_layers=ngl)
+    ctx.decode(Batch.for_sequence(PROMPT, seq_id=0, start_pos=0, all_logits=True))
+    assert torch.equal(ctx.all_logits(), reference)
+
+
+def test_contexts_share_one_weight_placement_and_refuse_another(model4):
+    gpu = virtual_device("VGPU0=1GiB")
+    first = engine.Context(model4, n_ctx=256, devices=[gpu], n_gpu_layers=-1)
+    weights = sum(first.weight_bytes_by_device.values())
+    second = engine.Context(model4, n_ctx=256, devices=[gpu], n_gpu_layers=-1)
+    assert second.weights is first.weights and second.weight_bytes_by_device == {}
+    assert gpu.reserved_bytes() == weights + first.kv_bytes_by_device[gpu] + second.kv_bytes_by_device[gpu]
+    with pytest.raises(ContextParamsError, match="already has its weights placed on VGPU0 \\(virtual\\)"):
+        engine.Context(model4, n_ctx=256, devices=[gpu], n_gpu_layers=2)
+    with pytest.raises(ContextParamsError, match="already has its weights placed"):
+        engine.Context(model4, n_ctx=256)  # all-CPU is a different placement too
+    del first, second
+    engine.Context(model4, n_ctx=256, devices=[gpu], n_gpu_layers=2)  # refused no more once they are gone
+
+
+def test_tied_output_embedding_counts_on_the_output_device_and_input_stays_on_the_cpu():
+    model = in_memory_model(n_layer=4, tie_word_embeddings=True)
+    tf = model.transformer
+    embd_bytes = tf.tok_embd.numel() * F32
+    assert tf.output_weight_bytes() == embd_bytes + tf.norm.numel() * F32  # llama.cpp duplicates it there
+    cpu = engine.Context(model, n_ctx=256)
+    cpu.decode(Batch.for_sequence(PROMPT, seq_id=0, start_pos=0, all_logits=True))
+    reference = cpu.all_logits().clone()
+    del cpu
+    gpu = virtual_device("VGPU0=1GiB")
+    ctx = engine.Context(model, n_ctx=256, devices=[gpu], n_gpu_layers=1)  # only the output layer
+    assert gpu.reserved_bytes() == tf.output_weight_bytes()
+    ctx.decode(Batch.for_sequence(PROMPT, seq_id=0, start_pos=0, all_logits=True))
+    assert torch.equal(ctx.all_logits(), reference)
+    assert ctx.perf.bytes_moved == len(PROMPT) * model.config.n_embd * F32  # every row is an output here

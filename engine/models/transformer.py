@@ -177,6 +177,51 @@ class Transformer:
                 k_norm=norm_w(p + "k_norm.weight") if config.has_qk_norm else None,
             ))
         self._qkv_split = (config.n_head * config.head_dim, config.n_embd_k_gqa, config.n_embd_v_gqa)
+        # The output layer's weights: the tied embedding is the same tensor until placed on another device.
+        self.output_embd = self.tok_embd if self.lm_head_t is None else None
+        # Placement (engine.devices): all on the CPU until place() is called.
+        self._moves: dict[int, torch.device] = {}  # layer -> torch device to move x to before it; empty: none
+        self._move_to_output: torch.device | None = None
+        self._count_output_move = False
+        self.bytes_moved = 0  # activation bytes moved between devices, ever; contexts read differences
+
+    # ---- placement (spec section 12) ----------------------------------------------------------------
+    @staticmethod
+    def _nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def layer_weight_bytes(self, il: int) -> int:
+        return self._nbytes(vars(self.layers[il]).values())
+
+    def output_weight_bytes(self) -> int:
+        """The output norm and lm_head; a tied embedding counts whole, as llama.cpp duplicates it there."""
+        return self._nbytes([self.norm, self.output_embd if self.lm_head_t is None else self.lm_head_t])
+
+    def place(self, layer_devices, output_device) -> None:
+        """Move each layer's weights to its Device's torch device and the output norm + lm_head to
+        output_device's; the input embedding stays on the CPU. A virtual device's torch device is the
+        CPU, so nothing moves in memory, but its layer boundaries are still counted in bytes_moved:
+        boundaries are between Devices, not torch devices."""
+        for layer, dev in zip(self.layers, layer_devices):
+            for name, t in vars(layer).items():
+                if t is not None:
+                    setattr(layer, name, t.to(dev.torch_device))
+        out = output_device.torch_device
+        self.norm = self.norm.to(out)
+        if self.lm_head_t is None:
+            self.output_embd = self.tok_embd.to(out)  # the same tensor when out is the CPU
+        else:
+            self.lm_head_t = self.lm_head_t.to(out)
+        # The input embedding lives on the CPU Device: the first boundary is CPU -> layer 0's device.
+        stages = [d.name for d in layer_devices]
+        previous = ["CPU"] + stages
+        self._moves = {il: dev.torch_device for il, dev in enumerate(layer_devices) if stages[il] != previous[il]}
+        self._count_output_move = output_device.name != previous[-1]
+        self._move_to_output = out if self._count_output_move else None
+
+    def _move(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+        self.bytes_moved += x.numel() * x.element_size()
+        return x.to(device)
 
     def n_params(self) -> int:
         tensors = [self.tok_embd, self.norm] + ([] if self.lm_head_t is None else [self.lm_head_t])
@@ -232,15 +277,22 @@ class Transformer:
             x = x * self.embd_scale
         tables = self.rotary.tables(positions, self.dtype)
         layer_table = self.rotary.layer_table
+        moves = self._moves
         for il, layer in enumerate(self.layers):
             if should_abort is not None and should_abort():
                 raise DecodeAborted(f"aborted before layer {il}")
+            if moves and il in moves:  # a device boundary; empty when everything is on one device
+                x = self._move(x, moves[il])
+                tables = [(c.to(x.device), s.to(x.device)) for c, s in tables]
             cos, sin = tables[layer_table[il]]
             x = x + self._attention(il, layer, norm(x, layer.attn_norm, eps), cos, sin, attn)
             x = x + self._mlp(layer, norm(x, layer.ffn_norm, eps))
-        x = norm(x[output_rows], self.norm, eps)
-        logits = F.linear(x, self.tok_embd) if self.lm_head_t is None else project(x, self.lm_head_t)
-        logits = logits.float()
+        x = x[output_rows]
+        if self._count_output_move:  # only the output rows cross to the output layer's device
+            x = self._move(x, self._move_to_output)
+        x = norm(x, self.norm, eps)
+        logits = F.linear(x, self.output_embd) if self.lm_head_t is None else project(x, self.lm_head_t)
+        logits = logits.float().cpu()  # a no-op on the CPU; logits are read on the host
         if cfg.final_softcap:
             logits = softcap(logits, cfg.final_softcap)
         return logits
