@@ -310,7 +310,7 @@ class EventBus:
         return sub
 
     def subscribe_callback(self, callback: Callable[[Event], None], maxsize: int = 65536,
-                           kinds: tuple[type, ...] | None = None, batch_interval: float = 0.01) -> Subscription:
+                           kinds: tuple[type, ...] | None = None, batch_interval: float = 0.05) -> Subscription:
         """Call `callback` for every event, in order, on a daemon thread of its own.
 
         The thread wakes at most once per `batch_interval` seconds and then delivers everything
