@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--no-pps", dest="pps", action="store_false",
                      help="do not share the system prompt: every request decodes it in its own sequence")
     par.add_argument("--steps", action="store_true", help="print one line per step (batch, decodes, cache use)")
+    est = sub.add_parser("estimate", allow_abbrev=False,
+                         help="memory per device for a model and context settings, from the file headers only")
+    _add_context_flags(est)
+    est.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    est.add_argument("--fit", action="store_true",
+                     help="propose the largest -ngl, then the largest -c, that fit the devices (-ngl is ignored)")
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random llama (HF folder and GGUF) for demos")
     tiny.add_argument("folder")
     return parser
@@ -233,6 +239,19 @@ def _print_perf(ctx, gen, load_ms: float) -> None:
         print(line, file=sys.stderr)
 
 
+def cmd_estimate(args: argparse.Namespace) -> int:
+    import json
+
+    from engine.estimate import estimate, fit, format_table
+
+    kwargs = _context_kwargs(args)
+    est = (fit if args.fit else estimate)(args.model, dtype=args.dtype, **kwargs)
+    if args.fit and not args.json:
+        print(f"proposed: -ngl {est.placement.n_gpu_layers} -c {est.params.n_ctx}")
+    print(json.dumps(est.to_dict(), indent=2) if args.json else format_table(est))
+    return 0
+
+
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from engine.testing.tiny_models import write_tiny_llama_demo
 
@@ -244,7 +263,8 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = _log_to_stderr(verbose=getattr(args, "verbose", False))
-    commands = {"generate": cmd_generate, "parallel": cmd_parallel, "make-tiny-model": cmd_make_tiny_model}
+    commands = {"generate": cmd_generate, "parallel": cmd_parallel, "estimate": cmd_estimate,
+                "make-tiny-model": cmd_make_tiny_model}
     try:
         return commands[args.command](args)
     except KvscopeError as e:

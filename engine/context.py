@@ -98,9 +98,21 @@ class ContextParams:
                    pad, type_k.lower(), type_v.lower(), flash_attn, flash_attn == "off", swa_full)
 
 
-def _release_reservations(reserved: dict[Device, int]) -> None:
+def _release_reservations(reserved: dict[Device, int], bus: ev.EventBus | None = None, what: str = "kv") -> None:
     for dev, nbytes in reserved.items():
         dev.release(nbytes)
+    publish_memory_change(bus, reserved, what, -1)
+
+
+def publish_memory_change(bus: ev.EventBus | None, nbytes_by_device: dict[Device, int], what: str, sign: int) -> None:
+    """One DeviceMemoryChanged per device, after its ledger changed: sign +1 for bytes placed, -1 freed."""
+    if bus is None or not bus.active:
+        return
+    for dev, nbytes in nbytes_by_device.items():
+        if nbytes:
+            bus.publish(ev.DeviceMemoryChanged(
+                device=dev.name, virtual=dev.is_virtual, capacity=dev.capacity,
+                reserved=dev.reserved_bytes() if dev.is_virtual else None, what=what, delta=sign * nbytes))
 
 
 class WeightPlacement:
@@ -108,12 +120,15 @@ class WeightPlacement:
     the same placement: weights exist once per model. Virtual devices account the weight bytes until
     the last such context is garbage collected; then the weights go back to the CPU."""
 
-    def __init__(self, transformer, placement: Placement, weight_bytes: dict[Device, int]) -> None:
+    def __init__(self, transformer, placement: Placement, weight_bytes: dict[Device, int],
+                 bus: ev.EventBus | None = None) -> None:
+        """bus: where the reservation and, when the placement dies, its release are published."""
         self.stages = tuple(placement.layer_devices) + (placement.output_device,)
         for dev, nbytes in weight_bytes.items():
             dev.reserve(nbytes)
+        publish_memory_change(bus, weight_bytes, "weights", +1)
         transformer.place(placement.layer_devices, placement.output_device)
-        weakref.finalize(self, _unplace_weights, transformer, weight_bytes)
+        weakref.finalize(self, _unplace_weights, transformer, weight_bytes, bus)
 
     def matches(self, placement: Placement) -> bool:
         # by identity: two virtual devices with the same name and size are still two ledgers
@@ -121,10 +136,10 @@ class WeightPlacement:
         return all(a is b for a, b in zip(self.stages, wanted))
 
 
-def _unplace_weights(transformer, weight_bytes: dict[Device, int]) -> None:
+def _unplace_weights(transformer, weight_bytes: dict[Device, int], bus: ev.EventBus | None = None) -> None:
     n_layer = len(transformer.layers)
     transformer.place((CPU,) * n_layer, CPU)
-    _release_reservations(weight_bytes)
+    _release_reservations(weight_bytes, bus, "weights")
 
 
 def weight_bytes_by_device(transformer, placement: Placement) -> dict[Device, int]:
@@ -190,8 +205,9 @@ class Context:
         self.weight_bytes_by_device = (weight_bytes_by_device(model.transformer, self.placement)
                                        if self.weights is None and offloads_anything(self.placement) else {})
         self._check_virtual_memory()  # before anything is reserved or allocated: a refusal leaves no trace
+        self._publish_model_placed()
         if self.weight_bytes_by_device:
-            self.weights = WeightPlacement(model.transformer, self.placement, self.weight_bytes_by_device)
+            self.weights = WeightPlacement(model.transformer, self.placement, self.weight_bytes_by_device, self.bus)
             model.transformer.weight_placement = weakref.ref(self.weights)
         self._reserve_virtual_memory()
         self.memory: Memory = build_memory(cfg, p, bus=self.bus, key_shifter=model.transformer.rotary.shift_keys,
@@ -267,7 +283,20 @@ class Context:
         virtual = {dev: n for dev, n in self.kv_bytes_by_device.items() if dev.is_virtual}
         for dev, need in virtual.items():
             dev.reserve(need)
-        weakref.finalize(self, _release_reservations, virtual)
+        # events cover real devices too (their K/V buffers are allocated next); release() skips them
+        publish_memory_change(self.bus, self.kv_bytes_by_device, "kv", +1)
+        weakref.finalize(self, _release_reservations, dict(self.kv_bytes_by_device), self.bus, "kv")
+
+    def _publish_model_placed(self) -> None:
+        """Where the weights are, for front-ends; all on the CPU unless layers are offloaded."""
+        if not self.bus.active:
+            return
+        placement = self.placement
+        weights = weight_bytes_by_device(self.model.transformer, placement)
+        self.bus.publish(ev.ModelPlaced(
+            model_name=self.model.name, layer_devices=tuple(d.name for d in placement.layer_devices),
+            output_device=placement.output_device.name,
+            weight_bytes=tuple((d.name, n) for d, n in weights.items()), shared=self.weights is not None))
 
     def _context_log_lines(self) -> list[str]:
         p, cfg = self.params, self.model.config

@@ -181,6 +181,33 @@ class ContextCreated(Event):
 
 
 @dataclass(frozen=True, eq=False)
+class ModelPlaced(Event):
+    """Where a context's model weights live (spec section 12). weight_bytes: (device name, bytes) per
+    device holding layers or the output layer; the input embedding, always on the CPU, is not counted.
+    shared: the weights were already placed so by a live context of the same model."""
+
+    model_name: str
+    layer_devices: tuple[str, ...]
+    output_device: str
+    weight_bytes: tuple[tuple[str, int], ...]
+    shared: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceMemoryChanged(Event):
+    """Bytes put on (delta > 0) or taken off (delta < 0) a device for `what` ("weights" or "kv").
+    reserved: a virtual device's reserved bytes after the change; None for a real device, whose memory
+    torch tracks. capacity: None where unknown."""
+
+    device: str
+    virtual: bool
+    capacity: int | None
+    reserved: int | None
+    what: str
+    delta: int
+
+
+@dataclass(frozen=True, eq=False)
 class DecodeStarted(Event):
     n_tokens: int
     n_outputs: int
@@ -294,7 +321,9 @@ class EventBus:
     """Publishes events to subscriptions. Thread-safe; publishing costs O(subscribers)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Reentrant: memory released by a garbage-collection finalizer is published, and collection
+        # can run on a thread that is inside publish() already.
+        self._lock = threading.RLock()
         self._subs: tuple[Subscription, ...] = ()
         self._next_seq_no = 0
 

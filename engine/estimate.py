@@ -1,0 +1,234 @@
+"""Memory estimate without loading a model (issue 5 point 4: `kvscope estimate`).
+
+Reads only headers (GGUF metadata and tensor infos, or config.json), then sizes the weights as the
+Transformer stores them in the compute dtype and the KV cache with the same functions the Context
+uses (ContextParams.resolve, plan_placement, cache_layouts, kv_bytes_by_device), so the numbers are
+the bytes a real Context would allocate or reserve per device.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from engine.context import ContextParams
+from engine.devices import CPU, Device, Placement, plan_placement, resolve_gpus
+from engine.errors import ModelFileError
+from engine.kv.factory import cache_layouts, kv_bytes_by_device
+from engine.models.config import ModelConfig
+from engine.models.model import COMPUTE_DTYPES, resolve_model_path
+
+
+@dataclass(frozen=True)
+class DeviceEstimate:
+    """Bytes one device would hold. capacity/free: None where unknown (CPU, MPS); free is before this
+    context (a virtual device's ledger may already hold other contexts' reservations)."""
+
+    device: str
+    virtual: bool
+    model_bytes: int
+    kv_bytes: int
+    capacity: int | None
+    free: int | None
+
+    @property
+    def total_bytes(self) -> int:
+        return self.model_bytes + self.kv_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.free is None or self.total_bytes <= self.free
+
+    @property
+    def label(self) -> str:
+        return f"{self.device} (virtual)" if self.virtual else self.device
+
+
+@dataclass(frozen=True)
+class Estimate:
+    model_name: str
+    config: ModelConfig
+    params: ContextParams
+    placement: Placement
+    dtype: str
+    devices: tuple[DeviceEstimate, ...]
+
+    @property
+    def fits(self) -> bool:
+        return all(d.fits for d in self.devices)
+
+    def to_dict(self) -> dict:
+        p = self.params
+        return {
+            "model": self.model_name, "arch": self.config.arch, "n_layer": self.config.n_layer, "dtype": self.dtype,
+            "n_ctx": p.n_ctx, "n_ctx_seq": p.n_ctx_seq, "n_seq_max": p.n_seq_max, "n_stream": p.n_stream,
+            "type_k": p.type_k, "type_v": p.type_v, "flash_attn": p.flash_attn,
+            "n_gpu_layers": self.placement.n_gpu_layers, "fits": self.fits,
+            "layer_devices": [d.name for d in self.placement.layer_devices],
+            "output_device": self.placement.output_device.name,
+            "devices": [{**asdict(d), "total_bytes": d.total_bytes, "fits": d.fits} for d in self.devices],
+        }
+
+
+# ---- header readers ----------------------------------------------------------------------------
+def config_from_headers(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a GGUF file or HF folder, from its header / config.json only."""
+    path = Path(resolve_model_path(path))
+    if not path.exists():
+        raise ModelFileError(f"{path}: no such file or folder; pass a .gguf file or a Hugging Face model folder")
+    if path.is_file() and path.name == "config.json":
+        path = path.parent
+    if path.is_dir():
+        return _hf_config(path)
+    return _gguf_config(path)
+
+
+def _gguf_config(path: Path) -> ModelConfig:
+    from engine.formats.gguf_file import (
+        config_from_gguf_metadata,
+        hf_tensor_name,
+        metadata_from_reader,
+        open_gguf,
+    )
+
+    reader = open_gguf(path)  # memory-maps the file; tensor data is never decoded here
+    metadata = metadata_from_reader(reader, path)
+    arch = metadata.get("general.architecture", "llama")
+    shapes = {hf_tensor_name(t.name, arch): tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+    embed = shapes.get("model.embed_tokens.weight")
+    # rope_freqs (llama3) changes RoPE angles, not sizes: left out so that no tensor data is read
+    return config_from_gguf_metadata(
+        metadata, path=path, embedding_rows=None if embed is None else embed[0],
+        has_output="lm_head.weight" in shapes,
+        has_attention_bias="model.layers.0.self_attn.q_proj.bias" in shapes)
+
+
+def _hf_config(folder: Path) -> ModelConfig:
+    from engine.formats.hf_folder import SpecialTokens, config_from_hf, read_json
+
+    raw = read_json(folder / "config.json", required=True)
+    # special tokens do not change sizes; the tokenizer is not opened
+    return config_from_hf(raw, SpecialTokens(None, (), False), path=folder / "config.json",
+                          name=folder.resolve().name)
+
+
+# ---- weight sizes, as engine.models.transformer.Transformer stores them -------------------------
+def _tensor_bytes(config: ModelConfig, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    # Gemma keeps its norm weights in float32 (Transformer.norm_w); everything else is in the compute dtype
+    is_f32 = config.is_gemma and name.endswith("norm.weight")
+    return n * (4 if is_f32 else torch.empty(0, dtype=dtype).element_size())
+
+
+def weight_sizes(config: ModelConfig, dtype: str = "f32") -> tuple[int, list[int], int]:
+    """(input embedding, per-layer, output layer) bytes; the output counts a tied embedding whole, as
+    Transformer.output_weight_bytes does (llama.cpp duplicates it on the output device)."""
+    from engine.models.load import expected_tensor_shapes
+
+    torch_dtype = COMPUTE_DTYPES[dtype]
+    shapes = expected_tensor_shapes(config)
+    size = {name: _tensor_bytes(config, name, shape, torch_dtype) for name, shape in shapes.items()}
+    layers = [sum(b for name, b in size.items() if name.startswith(f"model.layers.{il}.")) for il in range(config.n_layer)]
+    embd = size["model.embed_tokens.weight"]
+    output = size["model.norm.weight"] + (embd if config.tie_word_embeddings else size["lm_head.weight"])
+    return embd, layers, output
+
+
+def model_bytes_by_device(config: ModelConfig, placement: Placement, dtype: str = "f32") -> dict[Device, int]:
+    """Weight bytes per device. The CPU always holds the input embedding; a tied output layer on the
+    CPU shares that tensor, so it adds only the output norm there."""
+    embd, layers, output = weight_sizes(config, dtype)
+    out: dict[Device, int] = {CPU: embd}
+    for il, dev in enumerate(placement.layer_devices):
+        out[dev] = out.get(dev, 0) + layers[il]
+    dev = placement.output_device
+    shared = embd if (dev is CPU and config.tie_word_embeddings) else 0
+    out[dev] = out.get(dev, 0) + output - shared
+    return out
+
+
+# ---- the estimate ----------------------------------------------------------------------------------
+def estimate(path: str | Path = "demo", *, dtype: str = "f32", **settings) -> Estimate:
+    """Bytes per device for the model at path with engine.Context's settings (same names and
+    defaults: n_ctx, n_batch, n_ubatch, n_seq_max, kv_unified, pad, type_k, type_v, flash_attn,
+    swa_full, devices, n_gpu_layers, tensor_split, offload_kqv), without reading tensor data."""
+    if dtype not in COMPUTE_DTYPES:
+        raise ModelFileError(f"unknown compute dtype {dtype!r}; choose one of {', '.join(COMPUTE_DTYPES)}")
+    cfg = config_from_headers(path)
+    name = cfg.name or Path(resolve_model_path(path)).name
+    gpus = resolve_gpus(settings.pop("devices", None))
+    return _estimate(cfg, name, gpus, dtype, **settings)
+
+
+def _estimate(cfg: ModelConfig, name: str, gpus: Sequence[Device], dtype: str, *, n_ctx: int = 512,
+              n_batch: int = 2048, n_ubatch: int = 512, n_seq_max: int = 1, kv_unified: bool = False, pad: int = 256,
+              type_k: str = "f16", type_v: str = "f16", flash_attn: str = "auto", swa_full: bool = False,
+              n_gpu_layers: int = 0, tensor_split: Sequence[float] | None = None,
+              offload_kqv: bool = True) -> Estimate:
+    params = ContextParams.resolve(
+        n_ctx_train=cfg.n_ctx_train, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max,
+        kv_unified=kv_unified, pad=pad, type_k=type_k, type_v=type_v, flash_attn=flash_attn, swa_full=swa_full,
+        head_dims=(cfg.head_dim,) * cfg.n_layer)
+    placement = plan_placement(cfg.n_layer, n_gpu_layers, gpus, tensor_split, offload_kqv)
+    kv = kv_bytes_by_device(cache_layouts(cfg, params), placement.kv_devices)
+    weights = model_bytes_by_device(cfg, placement, dtype)
+    rows = tuple(DeviceEstimate(dev.name, dev.is_virtual, weights.get(dev, 0), kv.get(dev, 0), dev.capacity,
+                                dev.free_bytes())
+                 for dev in [CPU, *gpus])
+    return Estimate(name, cfg, params, placement, dtype, rows)
+
+
+def fit(path: str | Path = "demo", *, dtype: str = "f32", **settings) -> Estimate:
+    """The estimate with the largest n_gpu_layers that fits the devices at the requested n_ctx, then
+    the largest n_ctx (a multiple of pad, at most n_ctx_train or the request if larger) that fits with
+    those layers. The requested n_gpu_layers is ignored. Raises when even n_ctx = pad does not fit."""
+    from engine.errors import ContextParamsError
+
+    if dtype not in COMPUTE_DTYPES:
+        raise ModelFileError(f"unknown compute dtype {dtype!r}; choose one of {', '.join(COMPUTE_DTYPES)}")
+    cfg = config_from_headers(path)
+    name = cfg.name or Path(resolve_model_path(path)).name
+    gpus = resolve_gpus(settings.pop("devices", None))
+    settings.pop("n_gpu_layers", None)
+
+    def run(**overrides) -> Estimate:
+        return _estimate(cfg, name, gpus, dtype, **{**settings, **overrides})
+
+    # fitting is not monotone in the layer count under a split by free memory, so try each, largest first
+    ngl = next((n for n in range(cfg.n_layer + 1, 0, -1) if gpus and run(n_gpu_layers=n).fits), 0)
+    pad = settings.get("pad", 256)
+    steps = max(settings.get("n_ctx", 0) or cfg.n_ctx_train, cfg.n_ctx_train) // pad
+    lo, hi = 0, max(1, steps)  # largest k in [1, hi] with n_ctx = k * pad fitting (KV grows with n_ctx)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if run(n_gpu_layers=ngl, n_ctx=mid * pad).fits:
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo == 0:
+        raise ContextParamsError(f"nothing fits: even n_ctx = {pad} with n_gpu_layers = {ngl} exceeds a device; "
+                                 f"use a quantized cache type, fewer sequences or larger devices")
+    return run(n_gpu_layers=ngl, n_ctx=lo * pad)
+
+
+def format_table(est: Estimate) -> str:
+    """A per-device table in MiB, as `kvscope estimate` prints it."""
+    def mib(n: int | None) -> str:
+        return "-" if n is None else f"{n / 2**20:.2f}"
+
+    p = est.params
+    title = (f"model {est.model_name} ({est.config.arch}, {est.config.n_layer} layers, compute {est.dtype}); "
+             f"n_ctx = {p.n_ctx}, n_seq_max = {p.n_seq_max}, n_stream = {p.n_stream}, "
+             f"K {p.type_k}, V {p.type_v}, -ngl {est.placement.n_gpu_layers}")
+    header = (f"{'device':<20} {'model MiB':>11} {'context MiB':>12} {'total MiB':>11} {'capacity MiB':>13} "
+              f"{'free MiB':>11}")
+    lines = [title, header]
+    for d in est.devices:
+        flag = "" if d.fits else "  DOES NOT FIT"
+        lines.append(f"{d.label:<20} {mib(d.model_bytes):>11} {mib(d.kv_bytes):>12} {mib(d.total_bytes):>11} "
+                     f"{mib(d.capacity):>13} {mib(d.free):>11}{flag}")
+    return "\n".join(lines)

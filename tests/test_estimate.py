@@ -1,0 +1,146 @@
+"""`kvscope estimate`: the bytes per device it predicts from headers equal what a real Context allocates
+and reserves with the same settings."""
+from __future__ import annotations
+
+import gc
+import json
+
+import pytest
+
+import engine
+from engine.cli import main
+from engine.context import weight_bytes_by_device
+from engine.devices import CPU
+from engine.estimate import estimate, fit
+
+SETTINGS = {
+    "default": dict(n_ctx=256),
+    "q8_0_kv": dict(n_ctx=256, type_k="q8_0", type_v="q8_0", flash_attn="auto"),
+    "split_streams": dict(n_ctx=768, n_seq_max=3),
+    "unified": dict(n_ctx=768, n_seq_max=3, kv_unified=True),
+    "swa_full": dict(n_ctx=512, n_seq_max=2, swa_full=True, n_ubatch=64),
+    "nkvo_all": dict(n_ctx=256, n_gpu_layers=-1, devices=["VGPU0=1GiB"], offload_kqv=False),
+    "partial_one_gpu": dict(n_ctx=256, n_gpu_layers=3, devices=["VGPU0=1GiB"]),
+    "partial_two_gpus": dict(n_ctx=512, n_gpu_layers=5, devices=["VGPU0=1GiB", "VGPU1=512MiB"],
+                             tensor_split=[1, 1], type_k="q8_0", type_v="f32", pad=32),
+    "two_gpus_by_capacity": dict(n_ctx=256, n_gpu_layers=-1, devices=["VGPU0=1GiB", "VGPU1=3GiB"]),
+}
+
+
+def actual_bytes(ctx) -> dict[str, tuple[int, int]]:
+    """(weights, KV) bytes per device name of a live context, from the engine's own accounting."""
+    t, placement, cfg = ctx.model.transformer, ctx.placement, ctx.model.config
+    weights = dict(ctx.weight_bytes_by_device or weight_bytes_by_device(t, placement))
+    # the CPU also holds the input embedding; a tied output layer on the CPU is that same tensor
+    embd = t.tok_embd.numel() * t.tok_embd.element_size()
+    shared = embd if placement.output_device is CPU and cfg.tie_word_embeddings else 0
+    weights[CPU] = weights.get(CPU, 0) + embd - shared
+    devices = set(weights) | set(ctx.kv_bytes_by_device)
+    return {d.name: (weights.get(d, 0), ctx.kv_bytes_by_device.get(d, 0)) for d in devices}
+
+
+def assert_estimate_matches(path, settings, dtype="f32"):
+    est = estimate(path, dtype=dtype, **settings)
+    model = engine.load_model(path, dtype=dtype)
+    ctx = engine.Context(model, **settings)
+    try:
+        actual = actual_bytes(ctx)
+        predicted = {d.device: (d.model_bytes, d.kv_bytes) for d in est.devices if d.total_bytes}
+        assert predicted == actual
+        # KV: the caches' buffers as allocated
+        assert sum(kv for _, kv in actual.values()) == sum(c.k_bytes() + c.v_bytes() for c in ctx.memory.caches())
+        # virtual devices: the ledger holds exactly weights + KV
+        for dev in set(placement_devices(ctx)):
+            if dev.is_virtual:
+                row = next(d for d in est.devices if d.device == dev.name)
+                assert dev.reserved_bytes() == row.total_bytes
+                assert row.capacity == dev.capacity and row.free == dev.capacity
+        assert est.params == ctx.params
+        assert [d.name for d in est.placement.layer_devices] == [d.name for d in ctx.placement.layer_devices]
+    finally:
+        del ctx, model
+        gc.collect()
+    return est
+
+
+def placement_devices(ctx):
+    return list(ctx.placement.layer_devices) + [ctx.placement.output_device] + list(ctx.placement.kv_devices)
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_estimate_matches_demo_context(name):
+    assert_estimate_matches("demo", SETTINGS[name])
+
+
+def test_estimate_matches_hf_gemma3_two_gpus(tiny_gemma3_hf):
+    assert_estimate_matches(tiny_gemma3_hf, dict(n_ctx=256, n_gpu_layers=4, pad=32, n_seq_max=2,
+                                                  devices=["VGPU0=64MiB", "VGPU1=64MiB"]))
+
+
+def test_estimate_matches_llama_gguf_bf16(tiny_llama_gguf):
+    assert_estimate_matches(tiny_llama_gguf, dict(n_ctx=128, pad=32, n_gpu_layers=2, devices=["VGPU0=64MiB"]),
+                            dtype="bf16")
+
+
+def test_estimate_matches_qwen2_tied_with_biases(tiny_qwen2_hf):
+    assert_estimate_matches(tiny_qwen2_hf, dict(n_ctx=128, pad=32, n_gpu_layers=1, devices=["VGPU0=64MiB"],
+                                                 offload_kqv=False))
+
+
+def test_estimate_reads_no_tensor_data(monkeypatch, tiny_gemma3_hf, tiny_llama_gguf):
+    import gguf
+    import safetensors
+
+    from engine.formats import gguf_file, hf_folder
+
+    def refuse(*a, **k):
+        raise AssertionError("estimate must not read tensor data")
+
+    monkeypatch.setattr(gguf_file, "dequantize_tensor", refuse)
+    monkeypatch.setattr(gguf.quants, "dequantize", refuse)
+    monkeypatch.setattr(hf_folder, "read_safetensors", refuse)
+    monkeypatch.setattr(safetensors, "safe_open", refuse)
+    for path in ("demo", tiny_gemma3_hf, tiny_llama_gguf):
+        assert estimate(path, n_ctx=128, pad=32).devices[0].model_bytes > 0
+
+
+def test_estimate_flags_a_device_too_small():
+    est = estimate("demo", n_ctx=256, n_gpu_layers=-1, devices=["VGPU0=1MiB"])
+    row = est.devices[1]
+    assert row.virtual and not row.fits and not est.fits
+
+
+def test_cli_estimate_json_and_table(capsys):
+    settings = ["-c", "256", "-np", "3", "-ngl", "3", "--virtual-gpu", "VGPU0=1GiB", "-ctk", "q8_0"]
+    assert main(["estimate", *settings, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    est = estimate("demo", n_ctx=256, n_seq_max=3, n_gpu_layers=3, devices=["VGPU0=1GiB"], type_k="q8_0")
+    assert data == est.to_dict()
+    assert main(["estimate", *settings]) == 0
+    out = capsys.readouterr().out
+    assert "VGPU0 (virtual)" in out and "CPU" in out and "context MiB" in out
+
+
+def test_fit_proposes_the_largest_layers_then_context():
+    dev = ["VGPU0=19MiB"]  # not every layer of the demo fits
+    est = fit("demo", n_ctx=256, n_seq_max=2, devices=dev)
+    ngl = est.placement.n_gpu_layers
+    assert est.fits and 0 < ngl <= est.config.n_layer
+    assert not estimate("demo", n_ctx=256, n_seq_max=2, devices=dev, n_gpu_layers=ngl + 1).fits
+
+
+def test_fit_context_is_the_largest_that_fits():
+    # room for every layer and about twice the KV cache of n_ctx = 256: the context is the limit
+    full = estimate("demo", n_ctx=256, n_gpu_layers=-1, devices=["VGPU0=1GiB"]).devices[1]
+    dev = [f"VGPU0={full.total_bytes + full.kv_bytes}B"]
+    est = fit("demo", n_ctx=256, devices=dev)
+    n_ctx = est.params.n_ctx
+    assert est.fits and est.placement.n_gpu_layers == est.config.n_layer + 1
+    assert 256 <= n_ctx < est.config.n_ctx_train
+    assert not estimate("demo", n_ctx=n_ctx + 256, devices=dev, n_gpu_layers=-1).fits
+
+
+def test_cli_estimate_fit(capsys):
+    assert main(["estimate", "--fit", "-c", "256", "--virtual-gpu", "VGPU0=20MiB"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("proposed: -ngl ") and "VGPU0 (virtual)" in out

@@ -1,0 +1,73 @@
+"""ModelPlaced and DeviceMemoryChanged: what a front-end without a mirror learns about device memory."""
+from __future__ import annotations
+
+import gc
+
+import engine
+from engine import events as ev
+from engine.context import weight_bytes_by_device
+from engine.devices import virtual_devices
+
+
+def memory_events(sub) -> list:
+    return [e for e in sub.drain() if isinstance(e, (ev.ModelPlaced, ev.DeviceMemoryChanged))]
+
+
+def test_offloaded_context_publishes_placement_reservations_and_releases():
+    model = engine.load_model("demo")
+    bus = ev.EventBus()
+    sub = bus.subscribe()
+    gpu0, gpu1 = virtual_devices(["VGPU0=1GiB", "VGPU1=1GiB"])
+    ctx = engine.Context(model, n_ctx=256, n_gpu_layers=4, devices=[gpu0, gpu1], tensor_split=[1, 1], bus=bus)
+    weights, kv = dict(ctx.weight_bytes_by_device), dict(ctx.kv_bytes_by_device)
+    events = memory_events(sub)
+
+    placed = events[0]
+    assert isinstance(placed, ev.ModelPlaced) and not placed.shared
+    assert placed.layer_devices == tuple(d.name for d in ctx.placement.layer_devices)
+    assert placed.output_device == ctx.placement.output_device.name
+    assert dict(placed.weight_bytes) == {d.name: n for d, n in weights.items()}
+
+    changes = [(e.device, e.what, e.delta, e.reserved, e.virtual) for e in events[1:]]
+    # weights first (reserved: the weights alone), then KV (reserved: weights + KV); real devices: None
+    assert changes == (
+        [(d.name, "weights", n, n if d.is_virtual else None, d.is_virtual) for d, n in weights.items()] +
+        [(d.name, "kv", n, (weights.get(d, 0) + n) if d.is_virtual else None, d.is_virtual) for d, n in kv.items()])
+    assert {e.capacity for e in events[1:] if e.virtual} == {1 << 30}
+
+    del ctx
+    gc.collect()
+    released = memory_events(sub)
+    assert sorted((e.device, e.what, e.delta) for e in released) == sorted(
+        [(d.name, "weights", -n) for d, n in weights.items()] + [(d.name, "kv", -n) for d, n in kv.items()])
+    assert gpu0.reserved_bytes() == gpu1.reserved_bytes() == 0
+    last = {e.device: e.reserved for e in released if e.virtual}
+    assert last == {"VGPU0": 0, "VGPU1": 0}
+
+
+def test_cpu_context_publishes_all_cpu_placement_and_kv():
+    model = engine.load_model("demo")
+    bus = ev.EventBus()
+    sub = bus.subscribe()
+    ctx = engine.Context(model, n_ctx=256, bus=bus)
+    placed, *changes = memory_events(sub)
+    assert placed.layer_devices == ("CPU",) * model.config.n_layer and placed.output_device == "CPU"
+    assert dict(placed.weight_bytes) == {"CPU": weight_bytes_by_device(model.transformer, ctx.placement)[
+        ctx.placement.output_device]}
+    assert [(e.device, e.what, e.delta, e.reserved, e.capacity) for e in changes] == [
+        ("CPU", "kv", sum(c.k_bytes() + c.v_bytes() for c in ctx.memory.caches()), None, None)]
+
+
+def test_second_context_with_the_same_placement_shares_the_weights():
+    model = engine.load_model("demo")
+    (gpu,) = virtual_devices(["VGPU0=1GiB"])
+    first = engine.Context(model, n_ctx=256, n_gpu_layers=2, devices=[gpu])
+    bus = ev.EventBus()
+    sub = bus.subscribe()
+    second = engine.Context(model, n_ctx=256, n_gpu_layers=2, devices=[gpu], bus=bus)
+    placed, *changes = memory_events(sub)
+    assert placed.shared
+    assert [e.what for e in changes] == ["kv"] * len(second.kv_bytes_by_device)
+    vgpu = next(e for e in changes if e.device == "VGPU0")
+    assert vgpu.reserved == gpu.reserved_bytes() == (first.weight_bytes_by_device[gpu] + first.kv_bytes_by_device[gpu]
+                                                     + second.kv_bytes_by_device[gpu])
