@@ -15,10 +15,9 @@ import torch
 
 from engine.context import ContextParams
 from engine.devices import CPU, Device, Placement, plan_placement, resolve_gpus
-from engine.errors import ModelFileError
 from engine.kv.factory import cache_layouts, kv_bytes_by_device
 from engine.models.config import ModelConfig
-from engine.models.model import COMPUTE_DTYPES, resolve_model_path
+from engine.models.model import compute_dtype, resolve_model_path
 
 
 @dataclass(frozen=True)
@@ -75,14 +74,10 @@ class Estimate:
 # ---- header readers ----------------------------------------------------------------------------
 def config_from_headers(path: str | Path) -> ModelConfig:
     """The ModelConfig of a GGUF file or HF folder, from its header / config.json only."""
-    path = Path(resolve_model_path(path))
-    if not path.exists():
-        raise ModelFileError(f"{path}: no such file or folder; pass a .gguf file or a Hugging Face model folder")
-    if path.is_file() and path.name == "config.json":
-        path = path.parent
-    if path.is_dir():
-        return _hf_config(path)
-    return _gguf_config(path)
+    from engine.models.load import locate_model
+
+    path, file_format = locate_model(resolve_model_path(path))
+    return _hf_config(path) if file_format == "hf" else _gguf_config(path)
 
 
 def _gguf_config(path: Path) -> ModelConfig:
@@ -129,7 +124,7 @@ def weight_sizes(config: ModelConfig, dtype: str = "f32") -> tuple[int, list[int
     Transformer.output_weight_bytes does (llama.cpp duplicates it on the output device)."""
     from engine.models.load import expected_tensor_shapes
 
-    torch_dtype = COMPUTE_DTYPES[dtype]
+    torch_dtype = compute_dtype(dtype)
     shapes = expected_tensor_shapes(config)
     size = {name: _tensor_bytes(config, name, shape, torch_dtype) for name, shape in shapes.items()}
     layers = [sum(b for name, b in size.items() if name.startswith(f"model.layers.{il}.")) for il in range(config.n_layer)]
@@ -156,12 +151,16 @@ def estimate(path: str | Path = "demo", *, dtype: str = "f32", **settings) -> Es
     """Bytes per device for the model at path with engine.Context's settings (same names and
     defaults: n_ctx, n_batch, n_ubatch, n_seq_max, kv_unified, pad, type_k, type_v, flash_attn,
     swa_full, devices, n_gpu_layers, tensor_split, offload_kqv), without reading tensor data."""
-    if dtype not in COMPUTE_DTYPES:
-        raise ModelFileError(f"unknown compute dtype {dtype!r}; choose one of {', '.join(COMPUTE_DTYPES)}")
+    cfg, name, gpus = _read_target(path, dtype, settings)
+    return _estimate(cfg, name, gpus, dtype, **settings)
+
+
+def _read_target(path: str | Path, dtype: str, settings: dict) -> tuple[ModelConfig, str, list[Device]]:
+    """Config and name from the headers, and the GPUs of settings["devices"] (taken out of settings)."""
+    compute_dtype(dtype)
     cfg = config_from_headers(path)
     name = cfg.name or Path(resolve_model_path(path)).name
-    gpus = resolve_gpus(settings.pop("devices", None))
-    return _estimate(cfg, name, gpus, dtype, **settings)
+    return cfg, name, resolve_gpus(settings.pop("devices", None))
 
 
 def _estimate(cfg: ModelConfig, name: str, gpus: Sequence[Device], dtype: str, *, n_ctx: int = 512,
@@ -188,11 +187,7 @@ def fit(path: str | Path = "demo", *, dtype: str = "f32", **settings) -> Estimat
     those layers. The requested n_gpu_layers is ignored. Raises when even n_ctx = pad does not fit."""
     from engine.errors import ContextParamsError
 
-    if dtype not in COMPUTE_DTYPES:
-        raise ModelFileError(f"unknown compute dtype {dtype!r}; choose one of {', '.join(COMPUTE_DTYPES)}")
-    cfg = config_from_headers(path)
-    name = cfg.name or Path(resolve_model_path(path)).name
-    gpus = resolve_gpus(settings.pop("devices", None))
+    cfg, name, gpus = _read_target(path, dtype, settings)
     settings.pop("n_gpu_layers", None)
 
     def run(**overrides) -> Estimate:

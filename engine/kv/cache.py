@@ -135,7 +135,7 @@ class KVCache:
         keep_head: leave the heads alone (the SWA purge of apply_ubatch, see there)."""
         if seq_id != -1:
             self._check_seq(seq_id, "seq_rm")
-        lo, hi = _range(p0, p1)
+        lo, hi = position_range(p0, p1)
         changes, n_freed = [], 0
         streams = range(self.n_stream) if seq_id == -1 else [self.seq_to_stream(seq_id)]
         for s in streams:
@@ -173,7 +173,7 @@ class KVCache:
         s_src, s_dst = self.seq_to_stream(src), self.seq_to_stream(dst)
         if s_src == s_dst:
             cells = self.v_cells[s_src]
-            idxs = cells.in_range(*_range(p0, p1), src)
+            idxs = cells.in_range(*position_range(p0, p1), src)
             if src != dst and np.any(cells.seq[dst, idxs]):
                 raise MemoryOperationError(
                     f"seq_cp({src}, {dst}): sequence {dst} already shares cells with {src} in that range; "
@@ -189,7 +189,7 @@ class KVCache:
         if src == dst:
             return
         cells = self.v_cells[stream]
-        idxs = cells.in_range(*_range(p0, p1), src)
+        idxs = cells.in_range(*position_range(p0, p1), src)
         cells.seq_add(idxs, dst)
         if idxs.size:
             self._publish(ev.CellsCopied, [self._stream_cells(stream, idxs)], src_seq=src, dst_seq=dst,
@@ -221,7 +221,7 @@ class KVCache:
         """Move seq_id's cells in [p0, p1) by delta; the keys follow at the next update (K-shift)."""
         self._check_seq(seq_id, "seq_add")
         self._check_shift("seq_add")
-        lo, hi = _range(p0, p1)  # normalised before the empty-range check, as llama.cpp does
+        lo, hi = position_range(p0, p1)  # normalised before the empty-range check, as llama.cpp does
         if delta == 0 or lo == hi:
             return
         s = self.seq_to_stream(seq_id)
@@ -240,7 +240,7 @@ class KVCache:
         self._check_shift("seq_div")
         if d < 1:
             raise MemoryOperationError(f"seq_div: divisor {d} must be >= 1")
-        lo, hi = _range(p0, p1)
+        lo, hi = position_range(p0, p1)
         if d == 1 or lo == hi:
             return
         s = self.seq_to_stream(seq_id)
@@ -473,5 +473,6 @@ class KVCache:
         self._publish(ev.MemorySnapshot, [self._stream_cells(s, np.arange(self.size)) for s in range(self.n_stream)])
 
 
-def _range(p0: int, p1: int) -> tuple[int, int]:
+def position_range(p0: int, p1: int) -> tuple[int, int]:
+    """llama.cpp's range rule: p0 < 0 means 0, p1 < 0 means +infinity; the range is [p0, p1)."""
     return max(p0, 0), (POS_INF if p1 < 0 else p1)

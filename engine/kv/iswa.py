@@ -12,7 +12,7 @@ import torch
 
 from engine.batch import BatchAllocator, UBatch
 from engine.errors import MemoryOperationError
-from engine.kv.cache import KVCache, SlotInfo
+from engine.kv.cache import KVCache, SlotInfo, position_range
 
 log = logging.getLogger("kvscope.kv")
 
@@ -120,9 +120,7 @@ class KVCacheISWA:
 
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
         self._check_both(seq_id, "seq_div")
-        if d < 1:
-            raise MemoryOperationError(f"seq_div: divisor {d} must be >= 1")
-        if d != 1:
+        if d > 1:
             self._refuse_unsupported_shift("seq_div", seq_id, p0, p1)
         self.base.seq_div(seq_id, p0, p1, d)
         self.swa.seq_div(seq_id, p0, p1, d)
@@ -133,7 +131,7 @@ class KVCacheISWA:
         if self.can_shift():
             return
         stream = self.base.seq_to_stream(seq_id)
-        lo, hi = max(p0, 0), (2**62 if p1 < 0 else p1)
+        lo, hi = position_range(p0, p1)
         if any(cache.v_cells[stream].in_range(lo, hi, seq_id).size for cache in self.caches()):
             raise MemoryOperationError(
                 f"{op}: this iSWA cache cannot shift positions (SWA cache {self.swa.size} cells, base "

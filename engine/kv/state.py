@@ -371,20 +371,12 @@ def _read_data(r: Reader, cache: KVCache, strm: int, cell_count: int, dest: np.n
     pending: list[tuple[RowStorage, torch.Tensor, bool]] = []
     for il, k in zip(layer_ids, cache.k):
         _check_type(r, k, "key", il)
-        row_ref = r.u64()
-        if row_ref != k.row_bytes:
-            log.error("state_read_data: mismatched key row size (%d != %d, layer %d)", k.row_bytes, row_ref, il)
-            raise _Failed(f"mismatched key row size in layer {il}: this cache has {k.row_bytes} bytes, the state "
-                          f"has {row_ref}")
+        _check_row_bytes(r, k, "key", il)
         pending.append((k, _take_rows(r, k, cell_count), False))
     for il, v in zip(layer_ids, cache.v):
         _check_type(r, v, "value", il)
         if not cache.layout.v_trans:
-            row_ref = r.u64()
-            if row_ref != v.row_bytes:
-                log.error("state_read_data: mismatched value row size (%d != %d, layer %d)", v.row_bytes, row_ref, il)
-                raise _Failed(f"mismatched value row size in layer {il}: this cache has {v.row_bytes} bytes, the "
-                              f"state has {row_ref}")
+            _check_row_bytes(r, v, "value", il)
             pending.append((v, _take_rows(r, v, cell_count), False))
         else:
             el_ref, n_embd_ref = r.u32(), r.u32()
@@ -407,6 +399,15 @@ def _read_data(r: Reader, cache: KVCache, strm: int, cell_count: int, dest: np.n
             rows.data[strm][:, idx] = values.to(rows.device)
         else:
             rows.data[strm][idx] = values.to(rows.device)
+
+
+def _check_row_bytes(r, rows: RowStorage, what: str, il: int) -> None:
+    """Read a layer's u64 row size and refuse a state whose rows differ from this cache's."""
+    row_ref = r.u64()
+    if row_ref != rows.row_bytes:
+        log.error("state_read_data: mismatched %s row size (%d != %d, layer %d)", what, rows.row_bytes, row_ref, il)
+        raise _Failed(f"mismatched {what} row size in layer {il}: this cache has {rows.row_bytes} bytes, the state "
+                      f"has {row_ref}")
 
 
 def _check_type(r: Reader, rows: RowStorage, what: str, il: int) -> None:

@@ -172,15 +172,21 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
             or mis-shaped; the message names the file and the problem.
         UnsupportedArchitectureError: the architecture is not one kvscope runs.
     """
+    path, file_format = locate_model(path)
+    return _read_hf_checkpoint(path) if file_format == "hf" else _read_gguf_checkpoint(path)
+
+
+def locate_model(path: str | Path) -> tuple[Path, str]:
+    """(the folder or file to read, "hf" or "gguf") for a model path, or a ModelFileError naming it."""
     path = Path(path)
     if not path.exists():
         raise ModelFileError(f"{path}: no such file or folder; pass a .gguf file or a Hugging Face model folder")
     if path.is_file() and path.name == "config.json":
         path = path.parent
     if path.is_dir():
-        return _read_hf_checkpoint(path)
+        return path, "hf"
     if _is_gguf_file(path):
-        return _read_gguf_checkpoint(path)
+        return path, "gguf"
     raise ModelFileError(
         f"{path}: not a GGUF file (no .gguf suffix, no GGUF magic) and not a folder; "
         "pass a .gguf file or a Hugging Face model folder"

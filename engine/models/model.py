@@ -20,6 +20,13 @@ DEMO_MODEL_NAME = "demo"
 DEMO_MODEL_PATH = Path(__file__).resolve().parent / "demo" / "kvscope-demo-gemma3.gguf"
 
 
+def compute_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a compute dtype name (f32, bf16, f16), or a ContextParamsError."""
+    if name not in COMPUTE_DTYPES:
+        raise ContextParamsError(f"unknown compute dtype {name!r}; choose one of {', '.join(COMPUTE_DTYPES)}")
+    return COMPUTE_DTYPES[name]
+
+
 def resolve_model_path(path: str | Path) -> str | Path:
     """The name "demo" is the bundled demo model's file; any other path is returned as given."""
     if str(path) != DEMO_MODEL_NAME:
@@ -54,11 +61,10 @@ def load_model(path: str | Path, *, dtype: str = "f32") -> Model:
     dtype, f32 (default), bf16 or f16."""
     from engine.models.load import read_checkpoint
 
-    if dtype not in COMPUTE_DTYPES:
-        raise ContextParamsError(f"unknown compute dtype {dtype!r}; choose one of {', '.join(COMPUTE_DTYPES)}")
+    torch_dtype = compute_dtype(dtype)
     path = resolve_model_path(path)
     ckpt = read_checkpoint(path)
-    transformer = Transformer(ckpt.config, ckpt.tensors, COMPUTE_DTYPES[dtype])
+    transformer = Transformer(ckpt.config, ckpt.tensors, torch_dtype)
     log.info("load_tensors: loaded %s (%s, %d layers, %.2f M parameters, compute %s)", ckpt.config.name or path,
              ckpt.config.arch, ckpt.config.n_layer, transformer.n_params() / 1e6, dtype)
     return Model(ckpt.config, ckpt.tokenizer, transformer, str(path), ckpt.file_format, dict(ckpt.tensor_types))
