@@ -9,7 +9,7 @@ import pytest
 
 import engine
 from engine.cli import main
-from engine.context import weight_bytes_by_device
+from engine.device_memory import weight_bytes_by_device
 from engine.devices import CPU
 from engine.estimate import estimate, fit
 

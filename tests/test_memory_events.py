@@ -5,7 +5,7 @@ import gc
 
 import engine
 from engine import events as ev
-from engine.context import weight_bytes_by_device
+from engine.device_memory import weight_bytes_by_device
 from engine.devices import virtual_devices
 
 
