@@ -234,7 +234,8 @@ def _print_perf(ctx, gen, load_ms: float) -> None:
     if ctx.placement.gpus_present:
         # not a llama.cpp line: the activation traffic between devices that offloading costs
         lines.append(f"kvscope_perf_print: device transfers = {perf.bytes_moved / 2 ** 20:10.2f} MiB / "
-                     f"{perf.n_tokens_computed:5d} tokens ({perf.bytes_moved_per_token:8.0f} bytes per token)")
+                     f"{perf.n_tokens_computed:5d} tokens ({perf.bytes_moved_per_token:8.0f} bytes per token, "
+                     f"{perf.copy_ms:8.2f} ms copying)")
     for line in lines:
         print(line, file=sys.stderr)
 

@@ -112,6 +112,7 @@ class PerfCounters:
     ubatch_ms: list[float] = field(default_factory=list)
     bytes_moved: int = 0  # activations copied across device boundaries (layer -> layer, last layer -> output)
     n_tokens_computed: int = 0  # tokens through the model, for the per-token average
+    copy_ms: float = 0.0  # time spent on those copies
 
     @property
     def bytes_moved_per_token(self) -> float:
@@ -316,7 +317,7 @@ class Context:
             self.memory.apply_ubatch(sinfo, ub, ubatch_index=k)
             attn = self.memory.attention_inputs(sinfo, ub)
             rows = np.flatnonzero(ub.output)
-            moved = transformer.bytes_moved
+            moved, copy_s = transformer.bytes_moved, transformer.copy_seconds
             try:
                 logits = transformer.forward(torch.from_numpy(ub.tokens), torch.from_numpy(ub.pos), attn,
                                              torch.from_numpy(rows), self.abort_callback)
@@ -327,6 +328,7 @@ class Context:
                 self._remove_failed_ubatch(ub)
                 return self._fail(-3, f"decode: compute failed: {e}", alloc.n_tokens, t0, ubatches)
             self.perf.bytes_moved += transformer.bytes_moved - moved
+            self.perf.copy_ms += (transformer.copy_seconds - copy_s) * 1e3
             self.perf.n_tokens_computed += ub.n_tokens
             out_idx.append(ub.idxs[rows])
             out_logits.append(logits)

@@ -15,6 +15,8 @@ attention explicitly; the final logits are soft-capped in float32.
 """
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -184,6 +186,7 @@ class Transformer:
         self._move_to_output: torch.device | None = None
         self._count_output_move = False
         self.bytes_moved = 0  # activation bytes moved between devices, ever; contexts read differences
+        self.copy_seconds = 0.0  # wall time of those moves, ever (CUDA copies synchronised to be timed)
 
     # ---- placement (spec section 12) ----------------------------------------------------------------
     @staticmethod
@@ -220,8 +223,15 @@ class Transformer:
         self._move_to_output = out if self._count_output_move else None
 
     def _move(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """x copied across a device boundary. Between virtual devices (both host memory) the copy is a
+        host memcpy, so that its time is real, if smaller than a PCIe transfer would take."""
         self.bytes_moved += x.numel() * x.element_size()
-        return x.to(device)
+        t0 = time.perf_counter()
+        moved = x.clone() if x.device == device else x.to(device)
+        if moved.is_cuda or x.is_cuda:
+            torch.cuda.synchronize(moved.device if moved.is_cuda else x.device)
+        self.copy_seconds += time.perf_counter() - t0
+        return moved
 
     def n_params(self) -> int:
         tensors = [self.tok_embd, self.norm] + ([] if self.lm_head_t is None else [self.lm_head_t])
