@@ -44,6 +44,11 @@ def _add_device_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--virtual-gpu", action="append", default=None, metavar="NAME=SIZE",
                    help="add a virtual GPU, e.g. VGPU0=2GiB (repeatable). Virtual: its memory is host memory, "
                         "accounted against the given size. When given, only these GPUs are used")
+    p.add_argument("-ot", "--override-tensor", dest="tensor_overrides", action="append", default=None,
+                   metavar="REGEX=DEVICE,...",
+                   help="put the weights whose llama.cpp name matches REGEX (searched, first match wins) on DEVICE "
+                        "(CPU or a GPU's name), e.g. 'ffn_.*=CPU' (repeatable). Weights only: K/V follow -ngl. "
+                        "Q/K/V and gate/up are one matrix each in kvscope and must go together")
 
 
 def _gpu_layers(text: str) -> int:
@@ -119,7 +124,8 @@ def _context_kwargs(args: argparse.Namespace) -> dict:
     return dict(n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size, n_seq_max=args.parallel,
                 kv_unified=args.kv_unified, pad=args.pad, type_k=args.cache_type_k, type_v=args.cache_type_v,
                 flash_attn=args.flash_attn, swa_full=args.swa_full, devices=args.virtual_gpu,
-                n_gpu_layers=args.n_gpu_layers, tensor_split=args.tensor_split, offload_kqv=args.offload_kqv)
+                n_gpu_layers=args.n_gpu_layers, tensor_split=args.tensor_split, offload_kqv=args.offload_kqv,
+                tensor_overrides=args.tensor_overrides)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

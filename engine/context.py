@@ -20,14 +20,15 @@ from engine import events as ev
 from engine.batch import Batch, BatchAllocator, UBatch
 from engine.devices import Device, Placement, plan_placement, resolve_gpus
 from engine.errors import BatchTooLargeError, ContextParamsError, InvalidBatchError
-from engine.device_memory import (WeightPlacement, offloads_anything, publish_memory_change,
-                                  release_reservations, weight_bytes_by_device)
+from engine.device_memory import WeightPlacement, offloads_anything, publish_memory_change, release_reservations
 from engine.kv.factory import build_memory, cache_layouts, kv_bytes_by_device
 from engine.kv.memory import Memory
 from engine.kv.cells import MAX_SEQ
 from engine.kv.types import cache_type
 from engine.models.model import Model
 from engine.models.transformer import DecodeAborted
+from engine.weight_devices import (WeightDevices, model_buffer_log_lines, parse_tensor_overrides, plan_weight_devices,
+                                   weight_tensor_sizes)
 
 log = logging.getLogger("kvscope.context")
 
@@ -127,11 +128,13 @@ class Context:
                  type_v: str = "f16", flash_attn: str = "auto", swa_full: bool = False,
                  abort_callback: Callable[[], bool] | None = None, bus: ev.EventBus | None = None,
                  devices: Sequence[Device | str] | None = None, n_gpu_layers: int = 0,
-                 tensor_split: Sequence[float] | None = None, offload_kqv: bool = True) -> None:
+                 tensor_split: Sequence[float] | None = None, offload_kqv: bool = True,
+                 tensor_overrides: Sequence[str] | None = None) -> None:
         """devices: the GPUs to offload to (None: the real ones found; see engine.devices.resolve_gpus),
-        n_gpu_layers/tensor_split/offload_kqv as llama.cpp's -ngl/-ts/-kvo. Each layer's K/V and, when
-        anything is offloaded, each layer's weights and the output layer's go to their device. Weights are
-        shared by the model's contexts, so a context whose placement differs from a live one's is refused."""
+        n_gpu_layers/tensor_split/offload_kqv/tensor_overrides as llama.cpp's -ngl/-ts/-kvo/-ot
+        ("REGEX=DEVICE" items; see engine.weight_devices). Each layer's K/V and, when anything is
+        offloaded, each weight goes to its device. Weights are shared by the model's contexts, so a
+        context whose placement differs from a live one's is refused."""
         cfg = model.config
         self.model = model
         self.params = ContextParams.resolve(
@@ -142,17 +145,22 @@ class Context:
         self.abort_callback = abort_callback
         self.perf = PerfCounters()
         p = self.params
-        self.placement: Placement = plan_placement(cfg.n_layer, n_gpu_layers, resolve_gpus(devices), tensor_split,
-                                                   offload_kqv)
-        self._log_placement()
+        gpus = resolve_gpus(devices)
+        self.placement: Placement = plan_placement(cfg.n_layer, n_gpu_layers, gpus, tensor_split, offload_kqv)
+        self.weight_devices: WeightDevices = plan_weight_devices(
+            cfg, self.placement, parse_tensor_overrides(tensor_overrides, gpus))
         self.kv_bytes_by_device = kv_bytes_by_device(cache_layouts(cfg, p), self.placement.kv_devices)
+        self.model_bytes_by_device = model.transformer.weight_bytes_by_device(self.weight_devices)
+        self._log_placement()
         self.weights = self._existing_weight_placement()
-        self.weight_bytes_by_device = (weight_bytes_by_device(model.transformer, self.placement)
-                                       if self.weights is None and offloads_anything(self.placement) else {})
+        # what this context places (and, on virtual devices, reserves); empty when it shares a placement
+        self.weight_bytes_by_device = (dict(self.model_bytes_by_device)
+                                       if self.weights is None and offloads_anything(self.weight_devices) else {})
         self._check_virtual_memory()  # before anything is reserved or allocated: a refusal leaves no trace
         self._publish_model_placed()
         if self.weight_bytes_by_device:
-            self.weights = WeightPlacement(model.transformer, self.placement, self.weight_bytes_by_device, self.bus)
+            self.weights = WeightPlacement(model.transformer, self.weight_devices, self.weight_bytes_by_device,
+                                           self.bus)
             model.transformer.weight_placement = weakref.ref(self.weights)
         self._reserve_virtual_memory()
         self.memory: Memory = build_memory(cfg, p, bus=self.bus, key_shifter=model.transformer.rotary.shift_keys,
@@ -186,7 +194,10 @@ class Context:
         cfg = self.model.config
         for line in self.placement.debug_log_lines([cfg.is_swa(il) for il in range(cfg.n_layer)]):
             log.debug("%s", line)
-        for line in self.placement.info_log_lines():
+        sizes = weight_tensor_sizes(cfg, self.model.transformer.dtype)
+        for line in self.weight_devices.override_log_lines(sizes):
+            log.debug("%s", line)
+        for line in self.placement.info_log_lines() + model_buffer_log_lines(self.model_bytes_by_device):
             log.info("%s", line)
 
     def _existing_weight_placement(self) -> WeightPlacement | None:
@@ -198,14 +209,15 @@ class Context:
             live = ref() if ref is not None else None
             if live is None:
                 return None
-            if live.matches(self.placement):
+            if live.matches(self.weight_devices):
                 return live
             if attempt == 0:
                 gc.collect()
         raise ContextParamsError(
             f"model {self.model.name!r} already has its weights placed on "
-            f"{', '.join(sorted({str(d) for d in live.stages}))} by another context; a context with a different "
-            f"placement (n_gpu_layers, tensor_split, devices) needs that context deleted first")
+            f"{', '.join(str(d) for d in live.weight_devices.devices())} by another context; a context with a "
+            f"different placement (n_gpu_layers, tensor_split, devices, tensor_overrides) needs that context deleted "
+            f"first")
 
     def _check_virtual_memory(self) -> None:
         """Refuse weights + KV cache that do not fit a virtual device. Real devices are left to torch,
@@ -237,11 +249,12 @@ class Context:
         if not self.bus.active:
             return
         placement = self.placement
-        weights = weight_bytes_by_device(self.model.transformer, placement)
         self.bus.publish(ev.ModelPlaced(
             model_name=self.model.name, layer_devices=tuple(d.name for d in placement.layer_devices),
             output_device=placement.output_device.name,
-            weight_bytes=tuple((d.name, n) for d, n in weights.items()), shared=self.weights is not None))
+            weight_bytes=tuple((d.name, n) for d, n in self.model_bytes_by_device.items()),
+            shared=self.weights is not None,
+            overridden=tuple((name, d.name) for name, d in self.weight_devices.overridden)))
 
     def _context_log_lines(self) -> list[str]:
         p, cfg = self.params, self.model.config

@@ -5,7 +5,8 @@ from __future__ import annotations
 import weakref
 
 from engine import events as ev
-from engine.devices import CPU, Device, Placement
+from engine.devices import CPU, Device
+from engine.weight_devices import WeightDevices
 
 
 def release_reservations(reserved: dict[Device, int], bus: ev.EventBus | None = None, what: str = "kv") -> None:
@@ -30,37 +31,31 @@ class WeightPlacement:
     the same placement: weights exist once per model. Virtual devices account the weight bytes until
     the last such context is garbage collected; then the weights go back to the CPU."""
 
-    def __init__(self, transformer, placement: Placement, weight_bytes: dict[Device, int],
+    def __init__(self, transformer, weight_devices: WeightDevices, weight_bytes: dict[Device, int],
                  bus: ev.EventBus | None = None) -> None:
-        """bus: where the reservation and, when the placement dies, its release are published."""
-        self.stages = tuple(placement.layer_devices) + (placement.output_device,)
+        """weight_bytes: what each device gets (accounted on virtual ones). bus: where the reservation
+        and, when the placement dies, its release are published."""
+        self.weight_devices = weight_devices
         for dev, nbytes in weight_bytes.items():
             dev.reserve(nbytes)
         publish_memory_change(bus, weight_bytes, "weights", +1)
-        transformer.place(placement.layer_devices, placement.output_device)
+        transformer.place(weight_devices)
         weakref.finalize(self, _unplace_weights, transformer, weight_bytes, bus)
 
-    def matches(self, placement: Placement) -> bool:
+    def matches(self, weight_devices: WeightDevices) -> bool:
         # by identity: two virtual devices with the same name and size are still two ledgers
-        wanted = tuple(placement.layer_devices) + (placement.output_device,)
-        return all(a is b for a, b in zip(self.stages, wanted))
+        return all(a is b for a, b in zip(_stages(self.weight_devices), _stages(weight_devices)))
+
+
+def _stages(wd: WeightDevices) -> list[Device]:
+    return [wd.tok_embd, *(d for layer in wd.layers for d in (layer.residual, *layer.fields.values())),
+            wd.output_norm, wd.output]
 
 
 def _unplace_weights(transformer, weight_bytes: dict[Device, int], bus: ev.EventBus | None = None) -> None:
-    n_layer = len(transformer.layers)
-    transformer.place((CPU,) * n_layer, CPU)
+    transformer.place(None)
     release_reservations(weight_bytes, bus, "weights")
 
 
-def weight_bytes_by_device(transformer, placement: Placement) -> dict[Device, int]:
-    """Bytes of model weights each device holds under placement; the input embedding is always the CPU's."""
-    out: dict[Device, int] = {}
-    for il, dev in enumerate(placement.layer_devices):
-        out[dev] = out.get(dev, 0) + transformer.layer_weight_bytes(il)
-    dev = placement.output_device
-    out[dev] = out.get(dev, 0) + transformer.output_weight_bytes()
-    return out
-
-
-def offloads_anything(placement: Placement) -> bool:
-    return any(d is not CPU for d in placement.layer_devices + (placement.output_device,))
+def offloads_anything(wd: WeightDevices) -> bool:
+    return any(d is not CPU for d in _stages(wd))

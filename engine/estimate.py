@@ -18,6 +18,8 @@ from engine.devices import CPU, Device, Placement, plan_placement, resolve_gpus
 from engine.kv.factory import cache_layouts, kv_bytes_by_device
 from engine.models.config import ModelConfig
 from engine.models.model import compute_dtype, resolve_model_path
+from engine.weight_devices import (WeightDevices, model_bytes_by_device, parse_tensor_overrides, plan_weight_devices,
+                                   weight_tensor_sizes)
 
 
 @dataclass(frozen=True)
@@ -110,47 +112,17 @@ def _hf_config(folder: Path) -> ModelConfig:
 
 
 # ---- weight sizes, as engine.models.transformer.Transformer stores them -------------------------
-def _tensor_bytes(config: ModelConfig, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    # Gemma keeps its norm weights in float32 (Transformer.norm_w); everything else is in the compute dtype
-    is_f32 = config.is_gemma and name.endswith("norm.weight")
-    return n * (4 if is_f32 else torch.empty(0, dtype=dtype).element_size())
-
-
-def weight_sizes(config: ModelConfig, dtype: str = "f32") -> tuple[int, list[int], int]:
-    """(input embedding, per-layer, output layer) bytes; the output counts a tied embedding whole, as
-    Transformer.output_weight_bytes does (llama.cpp duplicates it on the output device)."""
-    from engine.models.load import expected_tensor_shapes
-
-    torch_dtype = compute_dtype(dtype)
-    shapes = expected_tensor_shapes(config)
-    size = {name: _tensor_bytes(config, name, shape, torch_dtype) for name, shape in shapes.items()}
-    layers = [sum(b for name, b in size.items() if name.startswith(f"model.layers.{il}.")) for il in range(config.n_layer)]
-    embd = size["model.embed_tokens.weight"]
-    output = size["model.norm.weight"] + (embd if config.tie_word_embeddings else size["lm_head.weight"])
-    return embd, layers, output
-
-
-def model_bytes_by_device(config: ModelConfig, placement: Placement, dtype: str = "f32") -> dict[Device, int]:
-    """Weight bytes per device. The CPU always holds the input embedding; a tied output layer on the
-    CPU shares that tensor, so it adds only the output norm there."""
-    embd, layers, output = weight_sizes(config, dtype)
-    out: dict[Device, int] = {CPU: embd}
-    for il, dev in enumerate(placement.layer_devices):
-        out[dev] = out.get(dev, 0) + layers[il]
-    dev = placement.output_device
-    shared = embd if (dev is CPU and config.tie_word_embeddings) else 0
-    out[dev] = out.get(dev, 0) + output - shared
-    return out
+def model_bytes(config: ModelConfig, wd: WeightDevices, dtype: str = "f32") -> dict[Device, int]:
+    """Weight bytes per device under wd, from the config's tensor shapes in the compute dtype."""
+    return model_bytes_by_device(wd, weight_tensor_sizes(config, compute_dtype(dtype)), config.tie_word_embeddings)
 
 
 # ---- the estimate ----------------------------------------------------------------------------------
 def estimate(path: str | Path = "demo", *, dtype: str = "f32", **settings) -> Estimate:
     """Bytes per device for the model at path with engine.Context's settings (same names and
     defaults: n_ctx, n_batch, n_ubatch, n_seq_max, kv_unified, pad, type_k, type_v, flash_attn,
-    swa_full, devices, n_gpu_layers, tensor_split, offload_kqv), without reading tensor data."""
+    swa_full, devices, n_gpu_layers, tensor_split, offload_kqv, tensor_overrides), without reading
+    tensor data."""
     cfg, name, gpus = _read_target(path, dtype, settings)
     return _estimate(cfg, name, gpus, dtype, **settings)
 
@@ -167,14 +139,15 @@ def _estimate(cfg: ModelConfig, name: str, gpus: Sequence[Device], dtype: str, *
               n_batch: int = 2048, n_ubatch: int = 512, n_seq_max: int = 1, kv_unified: bool = False, pad: int = 256,
               type_k: str = "f16", type_v: str = "f16", flash_attn: str = "auto", swa_full: bool = False,
               n_gpu_layers: int = 0, tensor_split: Sequence[float] | None = None,
-              offload_kqv: bool = True) -> Estimate:
+              offload_kqv: bool = True, tensor_overrides: Sequence[str] | None = None) -> Estimate:
     params = ContextParams.resolve(
         n_ctx_train=cfg.n_ctx_train, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max,
         kv_unified=kv_unified, pad=pad, type_k=type_k, type_v=type_v, flash_attn=flash_attn, swa_full=swa_full,
         head_dims=(cfg.head_dim,) * cfg.n_layer)
     placement = plan_placement(cfg.n_layer, n_gpu_layers, gpus, tensor_split, offload_kqv)
+    wd = plan_weight_devices(cfg, placement, parse_tensor_overrides(tensor_overrides, gpus))
     kv = kv_bytes_by_device(cache_layouts(cfg, params), placement.kv_devices)
-    weights = model_bytes_by_device(cfg, placement, dtype)
+    weights = model_bytes(cfg, wd, dtype)
     rows = tuple(DeviceEstimate(dev.name, dev.is_virtual, weights.get(dev, 0), kv.get(dev, 0), dev.capacity,
                                 dev.free_bytes())
                  for dev in [CPU, *gpus])

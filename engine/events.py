@@ -183,14 +183,16 @@ class ContextCreated(Event):
 @dataclass(frozen=True, eq=False)
 class ModelPlaced(Event):
     """Where a context's model weights live (spec section 12). weight_bytes: (device name, bytes) per
-    device holding layers or the output layer; the input embedding, always on the CPU, is not counted.
-    shared: the weights were already placed so by a live context of the same model."""
+    device holding any weight, the input embedding included. layer_devices: each layer's device from
+    -ngl (its residual stream and K/V); overridden: (llama.cpp tensor name, device name) for weights
+    an -ot pattern sent elsewhere. shared: the weights were already placed so by a live context."""
 
     model_name: str
     layer_devices: tuple[str, ...]
     output_device: str
     weight_bytes: tuple[tuple[str, int], ...]
     shared: bool = False
+    overridden: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, eq=False)

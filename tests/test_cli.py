@@ -69,7 +69,8 @@ def test_virtual_gpu_offload_prints_placement_and_kv_buffer(tiny_llama_gguf, cap
     assert re.search(r"llama_kv_cache: VGPU0 \(virtual\) KV buffer size = +[\d.]+ MiB", err)
     assert "CPU KV buffer size" not in err
     # the input embedding is on the CPU: each token's activation (64 f32 values) crosses to VGPU0 once
-    m = re.search(r"kvscope_perf_print: device transfers = +[\d.]+ MiB / +(\d+) tokens \( *(\d+) bytes per token\)", err)
+    m = re.search(r"kvscope_perf_print: device transfers = +[\d.]+ MiB / +(\d+) tokens \( *(\d+) bytes per token, "
+                  r"+[\d.]+ ms copying\)", err)
     assert m and int(m.group(1)) > 0 and m.group(2) == "256"
 
 

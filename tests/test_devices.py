@@ -351,7 +351,8 @@ def test_each_device_reserves_its_layer_weights_and_kv(model4):
     del ctx
     gc.collect()
     assert gpus[0].reserved_bytes() == gpus[1].reserved_bytes() == 0
-    assert model4.transformer._moves == {}  # back on the CPU: no boundaries left
+    # back on the CPU: no boundaries left
+    assert {d.name for d in model4.transformer.weight_devices.devices()} == {"CPU"}
 
 
 def test_weights_that_do_not_fit_are_refused_before_anything_is_reserved(model4, monkeypatch):
@@ -412,11 +413,11 @@ def test_logits_match_the_all_cpu_run(model4, ngl):
 def test_contexts_share_one_weight_placement_and_refuse_another(model4):
     gpu = virtual_device("VGPU0=1GiB")
     first = engine.Context(model4, n_ctx=256, devices=[gpu], n_gpu_layers=-1)
-    weights = sum(first.weight_bytes_by_device.values())
+    weights = first.weight_bytes_by_device[gpu]  # the CPU keeps the input embedding
     second = engine.Context(model4, n_ctx=256, devices=[gpu], n_gpu_layers=-1)
     assert second.weights is first.weights and second.weight_bytes_by_device == {}
     assert gpu.reserved_bytes() == weights + first.kv_bytes_by_device[gpu] + second.kv_bytes_by_device[gpu]
-    with pytest.raises(ContextParamsError, match="already has its weights placed on VGPU0 \\(virtual\\)"):
+    with pytest.raises(ContextParamsError, match="already has its weights placed on CPU, VGPU0 \\(virtual\\)"):
         engine.Context(model4, n_ctx=256, devices=[gpu], n_gpu_layers=2)
     with pytest.raises(ContextParamsError, match="already has its weights placed"):
         engine.Context(model4, n_ctx=256)  # all-CPU is a different placement too

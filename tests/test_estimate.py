@@ -9,7 +9,6 @@ import pytest
 
 import engine
 from engine.cli import main
-from engine.device_memory import weight_bytes_by_device
 from engine.devices import CPU
 from engine.estimate import estimate, fit
 
@@ -24,17 +23,14 @@ SETTINGS = {
     "partial_two_gpus": dict(n_ctx=512, n_gpu_layers=5, devices=["VGPU0=1GiB", "VGPU1=512MiB"],
                              tensor_split=[1, 1], type_k="q8_0", type_v="f32", pad=32),
     "two_gpus_by_capacity": dict(n_ctx=256, n_gpu_layers=-1, devices=["VGPU0=1GiB", "VGPU1=3GiB"]),
+    "ffn_overridden_to_cpu": dict(n_ctx=256, n_gpu_layers=-1, devices=["VGPU0=1GiB"],
+                                  tensor_overrides=[r"blk\.[0-3]\.ffn_.*=CPU", "token_embd=VGPU0"]),
 }
 
 
 def actual_bytes(ctx) -> dict[str, tuple[int, int]]:
     """(weights, KV) bytes per device name of a live context, from the engine's own accounting."""
-    t, placement, cfg = ctx.model.transformer, ctx.placement, ctx.model.config
-    weights = dict(ctx.weight_bytes_by_device or weight_bytes_by_device(t, placement))
-    # the CPU also holds the input embedding; a tied output layer on the CPU is that same tensor
-    embd = t.tok_embd.numel() * t.tok_embd.element_size()
-    shared = embd if placement.output_device is CPU and cfg.tie_word_embeddings else 0
-    weights[CPU] = weights.get(CPU, 0) + embd - shared
+    weights = ctx.model_bytes_by_device  # from the placed tensors themselves
     devices = set(weights) | set(ctx.kv_bytes_by_device)
     return {d.name: (weights.get(d, 0), ctx.kv_bytes_by_device.get(d, 0)) for d in devices}
 

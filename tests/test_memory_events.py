@@ -5,7 +5,6 @@ import gc
 
 import engine
 from engine import events as ev
-from engine.device_memory import weight_bytes_by_device
 from engine.devices import virtual_devices
 
 
@@ -52,8 +51,8 @@ def test_cpu_context_publishes_all_cpu_placement_and_kv():
     ctx = engine.Context(model, n_ctx=256, bus=bus)
     placed, *changes = memory_events(sub)
     assert placed.layer_devices == ("CPU",) * model.config.n_layer and placed.output_device == "CPU"
-    assert dict(placed.weight_bytes) == {"CPU": weight_bytes_by_device(model.transformer, ctx.placement)[
-        ctx.placement.output_device]}
+    # every weight, the input embedding included, once (the tied output layer shares it), in f32
+    assert dict(placed.weight_bytes) == {"CPU": model.transformer.n_params() * 4}
     assert [(e.device, e.what, e.delta, e.reserved, e.capacity) for e in changes] == [
         ("CPU", "kv", sum(c.k_bytes() + c.v_bytes() for c in ctx.memory.caches()), None, None)]
 

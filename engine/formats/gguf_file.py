@@ -118,6 +118,19 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     return None if hf_suffix is None else f"model.layers.{layer}.{hf_suffix}"
 
 
+def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str | None:
+    """The llama.cpp name of a Hugging Face tensor name of `arch` (the inverse of hf_tensor_name)."""
+    for gguf_name, hf in _GLOBAL_TENSOR_NAMES.items():
+        if hf == hf_name:
+            return gguf_name
+    m = re.match(r"^model\.layers\.(\d+)\.(.+)$", hf_name)
+    if m is None:
+        return None
+    by_hf = {hf: g for g, hf in _LAYER_NAMES_BY_ARCH.get(arch, _LAYER_TENSOR_NAMES).items()}
+    suffix = by_hf.get(m.group(2))
+    return None if suffix is None else f"blk.{m.group(1)}.{suffix}"
+
+
 def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo convert_hf_to_gguf's per-head row interleave of a llama Q or K weight (or bias).
 

@@ -29,6 +29,7 @@ class UbatchAttention:
         self._token_stream = torch.tensor(np.repeat(streams, n_per), dtype=torch.long)
         self._token_cell = torch.from_numpy(np.concatenate(sinfo.idxs).astype(np.int64))
         self.mask = self._build_mask(sinfo, ubatch)  # [groups, 1, n_per, n_kv] bool, True = attend
+        self._mask_on: dict[torch.device, torch.Tensor] = {self.mask.device: self.mask}
 
     def _build_mask(self, sinfo: SlotInfo, ubatch: UBatch) -> torch.Tensor:
         cache, n_kv = self.cache, self.n_kv
@@ -59,4 +60,7 @@ class UbatchAttention:
         for rows, new in ((cache.k[i], k), (cache.v[i], v)):
             rows.write(self._token_stream, self._token_cell, new)
             out.append(rows.read(self._stream_slice, self.n_kv, dtype).to(k.device).view(shape).transpose(1, 2))
-        return out[0], out[1], self.mask
+        mask = self._mask_on.get(k.device)
+        if mask is None:  # built on the host once; one copy per device whose layers attend
+            mask = self._mask_on[k.device] = self.mask.to(k.device)
+        return out[0], out[1], mask

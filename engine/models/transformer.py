@@ -23,8 +23,10 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
+from engine.devices import CPU, Device
 from engine.models.config import ModelConfig
 from engine.rope import Rotary
+from engine.weight_devices import BIAS_OF, LayerDevices, WeightDevices, all_on_cpu
 
 
 class AttentionInputs(Protocol):
@@ -181,10 +183,8 @@ class Transformer:
         self._qkv_split = (config.n_head * config.head_dim, config.n_embd_k_gqa, config.n_embd_v_gqa)
         # The output layer's weights: the tied embedding is the same tensor until placed on another device.
         self.output_embd = self.tok_embd if self.lm_head_t is None else None
-        # Placement (engine.devices): all on the CPU until place() is called.
-        self._moves: dict[int, torch.device] = {}  # layer -> torch device to move x to before it; empty: none
-        self._move_to_output: torch.device | None = None
-        self._count_output_move = False
+        # Placement (engine.weight_devices): everything on the CPU until place() is called.
+        self.weight_devices: WeightDevices = all_on_cpu(config)
         self.bytes_moved = 0  # activation bytes moved between devices, ever; contexts read differences
         self.copy_seconds = 0.0  # wall time of those moves, ever (CUDA copies synchronised to be timed)
 
@@ -200,27 +200,51 @@ class Transformer:
         """The output norm and lm_head; a tied embedding counts whole, as llama.cpp duplicates it there."""
         return self._nbytes([self.norm, self.output_embd if self.lm_head_t is None else self.lm_head_t])
 
-    def place(self, layer_devices, output_device) -> None:
-        """Move each layer's weights to its Device's torch device and the output norm + lm_head to
-        output_device's; the input embedding stays on the CPU. A virtual device's torch device is the
-        CPU, so nothing moves in memory, but its layer boundaries are still counted in bytes_moved:
-        boundaries are between Devices, not torch devices."""
-        for layer, dev in zip(self.layers, layer_devices):
+    def layer_field_tensors(self, il: int) -> dict[str, list[torch.Tensor]]:
+        """Layer il's tensors by weight field; a bias is listed with the matrix it belongs to."""
+        layer = self.layers[il]
+        out: dict[str, list[torch.Tensor]] = {}
+        for name, t in vars(layer).items():
+            if t is not None:
+                out.setdefault(BIAS_OF.get(name, name), []).append(t)
+        return out
+
+    def weight_bytes_by_device(self, wd: WeightDevices) -> dict[Device, int]:
+        """Bytes of weights each device holds under wd. A tied output layer on the input embedding's
+        device shares that tensor; on another device it is a whole copy (llama.cpp duplicates it)."""
+        out: dict[Device, int] = {}
+
+        def add(dev: Device, nbytes: int) -> None:
+            out[dev] = out.get(dev, 0) + nbytes
+
+        add(wd.tok_embd, self._nbytes([self.tok_embd]))
+        for il, devs in enumerate(wd.layers):
+            for name, tensors in self.layer_field_tensors(il).items():
+                add(devs.fields[name], self._nbytes(tensors))
+        add(wd.output_norm, self._nbytes([self.norm]))
+        if self.lm_head_t is not None:
+            add(wd.output, self._nbytes([self.lm_head_t]))
+        elif wd.output.name != wd.tok_embd.name:
+            add(wd.output, self._nbytes([self.tok_embd]))
+        return out
+
+    def place(self, wd: WeightDevices | None) -> None:
+        """Move every weight to its device's torch device (None: all to the CPU). A virtual device's
+        torch device is the CPU, so nothing moves in memory, but its boundaries are still crossed in
+        forward() and counted in bytes_moved: boundaries are between Devices, not torch devices."""
+        tied = self.lm_head_t is None
+        wd = wd or all_on_cpu(self.config)
+        self.tok_embd = self.tok_embd.to(wd.tok_embd.torch_device)
+        for layer, devs in zip(self.layers, wd.layers):
             for name, t in vars(layer).items():
                 if t is not None:
-                    setattr(layer, name, t.to(dev.torch_device))
-        out = output_device.torch_device
-        self.norm = self.norm.to(out)
-        if self.lm_head_t is None:
-            self.output_embd = self.tok_embd.to(out)  # the same tensor when out is the CPU
+                    setattr(layer, name, t.to(devs.fields[BIAS_OF.get(name, name)].torch_device))
+        self.norm = self.norm.to(wd.output_norm.torch_device)
+        if tied:
+            self.output_embd = self.tok_embd.to(wd.output.torch_device)  # the same tensor on the same device
         else:
-            self.lm_head_t = self.lm_head_t.to(out)
-        # The input embedding lives on the CPU Device: the first boundary is CPU -> layer 0's device.
-        stages = [d.name for d in layer_devices]
-        previous = ["CPU"] + stages
-        self._moves = {il: dev.torch_device for il, dev in enumerate(layer_devices) if stages[il] != previous[il]}
-        self._count_output_move = output_device.name != previous[-1]
-        self._move_to_output = out if self._count_output_move else None
+            self.lm_head_t = self.lm_head_t.to(wd.output.torch_device)
+        self.weight_devices = wd
 
     def _move(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
         """x copied across a device boundary. Between virtual devices (both host memory) the copy is a
@@ -233,40 +257,61 @@ class Transformer:
         self.copy_seconds += time.perf_counter() - t0
         return moved
 
+    def _to(self, x: torch.Tensor, src: Device, dst: Device) -> torch.Tensor:
+        """x, computed on src, as an input on dst; a copy (counted) only where the devices differ."""
+        if src is dst or src.name == dst.name:
+            return x
+        return self._move(x, dst.torch_device)
+
     def n_params(self) -> int:
         tensors = [self.tok_embd, self.norm] + ([] if self.lm_head_t is None else [self.lm_head_t])
         for layer in self.layers:
             tensors += [t for t in vars(layer).values() if t is not None]
         return sum(t.numel() for t in tensors)
 
-    def _attention(self, il: int, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   attn: AttentionInputs) -> torch.Tensor:
-        """Self-attention of one layer over the cache; h: [T, C] normed input. Returns [T, C]."""
-        cfg, norm, eps = self.config, self._norm, self.config.rms_norm_eps
-        T, G = h.shape[0], attn.n_groups
-        q, k, v = project(h, layer.wqkv, layer.bqkv).split(self._qkv_split, dim=-1)
+    def _attention(self, il: int, layer: LayerWeights, devs: LayerDevices, x: torch.Tensor,
+                   rope: "RopeTables", attn: AttentionInputs) -> torch.Tensor:
+        """Self-attention of one layer over the cache; x: [T, C] residual on devs.residual. Returns
+        [T, C] on devs.residual. Each step runs where its weights are; the cache reads and the
+        attention itself run on the layer's K/V device, as llama.cpp schedules them (so -nkvo
+        sends Q, K, V to the CPU and the attention output back)."""
+        cfg, norm, eps, to = self.config, self._norm, self.config.rms_norm_eps, self._to
+        T, G = x.shape[0], attn.n_groups
+        h = norm(to(x, devs.residual, devs.attn_norm), layer.attn_norm, eps)
+        q, k, v = project(to(h, devs.attn_norm, devs.wqkv), layer.wqkv, layer.bqkv).split(self._qkv_split, dim=-1)
         q = q.view(T, cfg.n_head, cfg.head_dim)
         k = k.view(T, cfg.n_head_kv, cfg.head_dim)
+        q_dev = k_dev = devs.wqkv
         if layer.q_norm is not None:
-            q = norm(q, layer.q_norm, eps)
-            k = norm(k, layer.k_norm, eps)
-        q = Rotary.apply(q, cos, sin)
-        k = Rotary.apply(k, cos, sin)
-        keys, values, mask = attn.store_and_load(il, k.reshape(T, -1), v, self.dtype)  # [G, Hkv, n_kv, D]
+            q, q_dev = norm(to(q, q_dev, devs.q_norm), layer.q_norm, eps), devs.q_norm
+            k, k_dev = norm(to(k, k_dev, devs.k_norm), layer.k_norm, eps), devs.k_norm
+        q = to(rope.apply(il, q), q_dev, devs.kv)
+        k = to(rope.apply(il, k), k_dev, devs.kv)
+        keys, values, mask = attn.store_and_load(il, k.reshape(T, -1), to(v, devs.wqkv, devs.kv),
+                                                 self.dtype)  # [G, Hkv, n_kv, D]
         q = q.view(G, T // G, cfg.n_head, cfg.head_dim).transpose(1, 2)  # [G, H, T/G, D]
         if cfg.attn_softcap:
             o = softcapped_attention(q, keys, values, mask, cfg.attn_scale, cfg.attn_softcap)
         else:
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True,
                                                scale=self.attn_scale)
-        o = project(o.transpose(1, 2).reshape(T, cfg.n_head * cfg.head_dim), layer.wo, layer.bo)
-        return o if layer.post_attn_norm is None else norm(o, layer.post_attn_norm, eps)
+        o = o.transpose(1, 2).reshape(T, cfg.n_head * cfg.head_dim)
+        o = project(to(o, devs.kv, devs.wo), layer.wo, layer.bo)
+        if layer.post_attn_norm is None:
+            return to(o, devs.wo, devs.residual)
+        return to(norm(to(o, devs.wo, devs.post_attn_norm), layer.post_attn_norm, eps), devs.post_attn_norm,
+                  devs.residual)
 
-    def _mlp(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        """Gated MLP of one layer; h: [T, C] normed input. Returns [T, C]."""
-        gate, up = project(h, layer.w_gate_up).chunk(2, dim=-1)
-        h = project(self._act(gate) * up, layer.w_down)
-        return h if layer.post_ffn_norm is None else self._norm(h, layer.post_ffn_norm, self.config.rms_norm_eps)
+    def _mlp(self, layer: LayerWeights, devs: LayerDevices, x: torch.Tensor) -> torch.Tensor:
+        """Gated MLP of one layer; x: [T, C] residual on devs.residual. Returns [T, C] there."""
+        norm, eps, to = self._norm, self.config.rms_norm_eps, self._to
+        h = norm(to(x, devs.residual, devs.ffn_norm), layer.ffn_norm, eps)
+        gate, up = project(to(h, devs.ffn_norm, devs.w_gate_up), layer.w_gate_up).chunk(2, dim=-1)
+        h = project(to(self._act(gate) * up, devs.w_gate_up, devs.w_down), layer.w_down)
+        if layer.post_ffn_norm is None:
+            return to(h, devs.w_down, devs.residual)
+        return to(norm(to(h, devs.w_down, devs.post_ffn_norm), layer.post_ffn_norm, eps), devs.post_ffn_norm,
+                  devs.residual)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs,
@@ -280,29 +325,41 @@ class Transformer:
         """`forward` without inference mode, so that autograd records it: when the tensors the
         Transformer was built from require grad, the loss reaches them through the fused, input-major
         weights (tools/train_demo_model.py trains this way with engine.models.full_sequence)."""
-        cfg = self.config
-        norm, eps = self._norm, cfg.rms_norm_eps
-        x = self.tok_embd[tokens]  # [T, C]
+        cfg, wd, to = self.config, self.weight_devices, self._to
+        x = self.tok_embd[tokens.to(self.tok_embd.device)]  # [T, C]
         if self.embd_scale is not None:
-            x = x * self.embd_scale
-        tables = self.rotary.tables(positions, self.dtype)
-        layer_table = self.rotary.layer_table
-        moves = self._moves
-        for il, layer in enumerate(self.layers):
+            x = x * self.embd_scale.to(x.device)
+        rope = RopeTables(self.rotary, positions, self.dtype)
+        at = wd.tok_embd
+        for il, (layer, devs) in enumerate(zip(self.layers, wd.layers)):
             if should_abort is not None and should_abort():
                 raise DecodeAborted(f"aborted before layer {il}")
-            if moves and il in moves:  # a device boundary; empty when everything is on one device
-                x = self._move(x, moves[il])
-                tables = [(c.to(x.device), s.to(x.device)) for c, s in tables]
-            cos, sin = tables[layer_table[il]]
-            x = x + self._attention(il, layer, norm(x, layer.attn_norm, eps), cos, sin, attn)
-            x = x + self._mlp(layer, norm(x, layer.ffn_norm, eps))
-        x = x[output_rows]
-        if self._count_output_move:  # only the output rows cross to the output layer's device
-            x = self._move(x, self._move_to_output)
-        x = norm(x, self.norm, eps)
+            x = to(x, at, devs.residual)  # a layer boundary: a copy only where the device changes
+            at = devs.residual
+            x = x + self._attention(il, layer, devs, x, rope, attn)
+            x = x + self._mlp(layer, devs, x)
+        x = x[output_rows.to(x.device)]  # only the output rows cross to the output layer
+        x = self._norm(to(x, at, wd.output_norm), self.norm, cfg.rms_norm_eps)
+        x = to(x, wd.output_norm, wd.output)
         logits = F.linear(x, self.output_embd) if self.lm_head_t is None else project(x, self.lm_head_t)
         logits = logits.float().cpu()  # a no-op on the CPU; logits are read on the host
         if cfg.final_softcap:
             logits = softcap(logits, cfg.final_softcap)
         return logits
+
+
+class RopeTables:
+    """A ubatch's RoPE cos/sin tables, made once on the CPU and copied to each torch device that asks
+    (tables are inputs, like positions, not activations: not counted as moved)."""
+
+    def __init__(self, rotary: Rotary, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        self._layer_table = rotary.layer_table
+        self._tables = {torch.device("cpu"): rotary.tables(positions, dtype)}
+
+    def apply(self, il: int, x: torch.Tensor) -> torch.Tensor:
+        tables = self._tables.get(x.device)
+        if tables is None:
+            cpu = self._tables[torch.device("cpu")]
+            tables = self._tables[x.device] = [(c.to(x.device), s.to(x.device)) for c, s in cpu]
+        cos, sin = tables[self._layer_table[il]]
+        return Rotary.apply(x, cos, sin)
