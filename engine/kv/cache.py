@@ -19,6 +19,7 @@ from engine.batch import BatchAllocator, UBatch
 from engine.devices import Device, as_device
 from engine.errors import MemoryOperationError
 from engine.kv.cells import MAX_SEQ, KVCells
+from engine.kv import slot_debug
 from engine.kv.attention import UbatchAttention
 from engine.kv.layout import CacheLayout
 from engine.kv.storage import RowStorage
@@ -53,9 +54,12 @@ class KVCache:
     """One llama.cpp KV cache: `n_stream` streams of `kv_size` cells over a set of model layers."""
 
     def __init__(self, layout: CacheLayout, *, bus: ev.EventBus, key_shifter: KeyShifter,
-                 name: str = "kv", layer_devices: Sequence[Device | torch.device | str] | None = None) -> None:
-        """layer_devices: where each cache layer's K and V live (default: all on the CPU)."""
+                 name: str = "kv", layer_devices: Sequence[Device | torch.device | str] | None = None,
+                 debug_level: int | None = None) -> None:
+        """layer_devices: where each cache layer's K and V live (default: all on the CPU).
+        debug_level: llama.cpp's LLAMA_KV_CACHE_DEBUG (see slot_debug.py); None reads that variable."""
         self.layout = layout
+        self.debug_level = slot_debug.level_from_env() if debug_level is None else int(debug_level)
         self.name = name
         self.bus = bus
         self._key_shifter = key_shifter
@@ -279,6 +283,9 @@ class KVCache:
 
     def find_slot(self, ubatch: UBatch) -> SlotInfo | None:
         """Choose cells for the ubatch without changing anything; None when it does not fit."""
+        if self.debug_level > 0 and log.isEnabledFor(logging.DEBUG):  # the dump is O(cells): only if shown
+            for msg in slot_debug.find_slot_dump(self, ubatch.seq_id_unq):
+                log.debug("%s", msg)
         streams, idxs = [], []
         for stream, tokens in self._token_groups(ubatch):
             n = tokens.stop - tokens.start
@@ -337,10 +344,13 @@ class KVCache:
             changes.append(self._stream_cells(stream, idxs))
         self._publish(ev.CellsAllocated, changes, ubatch=ubatch_index, n_tokens=ubatch.n_tokens,
                       tentative=tentative)
-        for (stream, seq_id), p_max in max_rm.items():
+        # llama.cpp visits the seqs in ascending order and logs even when the seq has no cell left
+        # (min -1: every cell of it was overwritten); that seq_rm then removes nothing.
+        for (stream, seq_id), p_max in sorted(max_rm.items(), key=lambda kv: kv[0][1]):
             p_min = self.v_cells[stream].seq_pos_min(seq_id)
-            if 0 <= p_min <= p_max:
-                log.debug("purging positions [%d, %d] of sequence %d", p_min, p_max, seq_id)
+            if p_min <= p_max:
+                log.debug("apply_ubatch: purging positions [%d, %d] of sequence %d from KV cache", p_min, p_max,
+                          seq_id)
                 # llama.cpp sets each head to the slot's last cell + 1 AFTER the purge (§5 "Finally"),
                 # so a cell the purge frees below the slot never becomes the head.
                 self.seq_rm(seq_id, p_min, p_max + 1, reason="purge", tentative=tentative, keep_head=True)

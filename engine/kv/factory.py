@@ -47,15 +47,17 @@ def kv_bytes_by_device(layouts: dict[str, CacheLayout], kv_devices: Sequence[Dev
 
 
 def build_memory(cfg: ModelConfig, params, *, bus: ev.EventBus, key_shifter: KeyShifter,
-                 kv_devices: Sequence[Device] | None = None) -> Memory:
+                 kv_devices: Sequence[Device] | None = None, kv_cache_debug: int | None = None) -> Memory:
     """params: the context's resolved ContextParams. kv_devices[il]: where model layer il's K/V live
-    (default: all on the CPU)."""
+    (default: all on the CPU). kv_cache_debug: every cache's LLAMA_KV_CACHE_DEBUG level (None: each
+    cache reads the environment variable, as llama.cpp does)."""
     layouts = cache_layouts(cfg, params)
 
     def cache(name: str) -> KVCache:
         lo = layouts[name]
         devices = None if kv_devices is None else [kv_devices[il] for il in lo.layer_ids]
-        return KVCache(lo, bus=bus, key_shifter=key_shifter, name=name, layer_devices=devices)
+        return KVCache(lo, bus=bus, key_shifter=key_shifter, name=name, layer_devices=devices,
+                       debug_level=kv_cache_debug)
 
     if "kv" in layouts:
         return cache("kv")
