@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 5, as one run on a lent CUDA machine (~10 minutes): the CUDA offload tests,
+# the device tests, and the offload benchmark. Every step runs whatever the previous ones did; each
+# step's output goes to its own file and its exit code to rc.txt, so one failure never hides the rest.
+#
+#     bash tools/gpu_check.sh          # outputs under $OUT if set, else ./gpu-check-out
+set -u
+cd "$(dirname "$0")/.."
+out="${OUT:-./gpu-check-out}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # run from this checkout, installed or not
+: > "$out/rc.txt"
+
+step() {  # step NAME TIMEOUT_S COMMAND...: run it, keep its output and exit code, never stop here
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name: $*" | tee -a "$out/summary.txt"
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "$name $rc" >> "$out/rc.txt"
+  tail -n 25 "$out/$name.log" | tee -a "$out/summary.txt"
+  echo "== $name: rc $rc" | tee -a "$out/summary.txt"
+}
+
+# torch with CUDA is expected to be there already: install nothing heavy, say what is present.
+step torch 60 python -c "import torch; print(torch.__version__, torch.cuda.is_available()); \
+print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')"
+step nvidia_smi 30 nvidia-smi
+step tests 300 python -m pytest -q -rs tests/test_cuda_offload.py tests/test_devices.py
+step bench 240 python bench/offload.py --reps 2
+
+echo "exit codes (step rc):" | tee -a "$out/summary.txt"
+tee -a "$out/summary.txt" < "$out/rc.txt"
+! grep -qv ' 0$' "$out/rc.txt"
