@@ -153,7 +153,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for r in results:
         if r.stop_reason not in ("length", "eog"):
             log.warning("seq %d stopped: %s", r.seq_id, r.stop_reason)
-    _print_perf(ctx, gen, load_ms)
+    _print_perf(ctx, gen, load_ms, args.verbose)
     return 0
 
 
@@ -192,7 +192,7 @@ def cmd_parallel(args: argparse.Namespace) -> int:
         print(line)
     print()
     sys.stdout.flush()
-    _print_perf(ctx, runner, load_ms)
+    _print_perf(ctx, runner, load_ms, args.verbose)
     return 0
 
 
@@ -218,7 +218,7 @@ def _write(text: str) -> None:
     sys.stdout.flush()
 
 
-def _print_perf(ctx, gen, load_ms: float) -> None:
+def _print_perf(ctx, gen, load_ms: float, verbose: bool = False) -> None:
     perf = ctx.perf
     name = "llama_perf_context_print"
 
@@ -242,6 +242,8 @@ def _print_perf(ctx, gen, load_ms: float) -> None:
         lines.append(f"kvscope_perf_print: device transfers = {perf.bytes_moved / 2 ** 20:10.2f} MiB / "
                      f"{perf.n_tokens_computed:5d} tokens ({perf.bytes_moved_per_token:8.0f} bytes per token, "
                      f"{perf.copy_ms:8.2f} ms copying)")
+    if verbose:  # llama.cpp's tools print the breakdown at exit; kvscope also prints it after load
+        lines += ctx.memory_breakdown_lines()
     for line in lines:
         print(line, file=sys.stderr)
 

@@ -18,11 +18,13 @@ import torch
 
 from engine import events as ev
 from engine.batch import Batch, BatchAllocator, UBatch
-from engine.devices import Device, Placement, plan_placement, resolve_gpus
+from engine.devices import CPU, Device, Placement, plan_placement, resolve_gpus
 from engine.errors import BatchTooLargeError, ContextParamsError, InvalidBatchError
-from engine.device_memory import WeightPlacement, offloads_anything, publish_memory_change, release_reservations
-from engine.kv.factory import build_memory, cache_layouts, kv_bytes_by_device
+from engine.compute_memory import compute_bytes_by_device
+from engine.device_memory import WeightPlacement, check_fits, offloads_anything, reserve_until_collected
+from engine.kv.factory import build_memory, cache_layouts, kv_bytes_by_device, kv_size_by_layer
 from engine.kv.memory import Memory
+from engine.memory_breakdown import MemoryBreakdown, breakdown_by_device, breakdown_table
 from engine.kv.cells import MAX_SEQ
 from engine.kv.types import cache_type
 from engine.models.model import Model
@@ -149,24 +151,29 @@ class Context:
         self.placement: Placement = plan_placement(cfg.n_layer, n_gpu_layers, gpus, tensor_split, offload_kqv)
         self.weight_devices: WeightDevices = plan_weight_devices(
             cfg, self.placement, parse_tensor_overrides(tensor_overrides, gpus))
-        self.kv_bytes_by_device = kv_bytes_by_device(cache_layouts(cfg, p), self.placement.kv_devices)
+        layouts = cache_layouts(cfg, p)
+        self.kv_bytes_by_device = kv_bytes_by_device(layouts, self.placement.kv_devices)
+        self.compute_bytes_by_device = compute_bytes_by_device(
+            cfg, self.weight_devices, p.n_ubatch, p.n_stream, kv_size_by_layer(layouts), model.transformer.dtype)
         self.model_bytes_by_device = model.transformer.weight_bytes_by_device(self.weight_devices)
+        self.gpus: tuple[Device, ...] = tuple(gpus)
         self._log_placement()
         self.weights = self._existing_weight_placement()
         # what this context places (and, on virtual devices, reserves); empty when it shares a placement
         self.weight_bytes_by_device = (dict(self.model_bytes_by_device)
                                        if self.weights is None and offloads_anything(self.weight_devices) else {})
-        self._check_virtual_memory()  # before anything is reserved or allocated: a refusal leaves no trace
+        check_fits(self._new_bytes())  # before anything is reserved or allocated: a refusal leaves no trace
         self._publish_model_placed()
         if self.weight_bytes_by_device:
             self.weights = WeightPlacement(model.transformer, self.weight_devices, self.weight_bytes_by_device,
                                            self.bus)
             model.transformer.weight_placement = weakref.ref(self.weights)
-        self._reserve_virtual_memory()
+        reserve_until_collected(self, self.kv_bytes_by_device, "kv", self.bus)
+        reserve_until_collected(self, self.compute_bytes_by_device, "compute", self.bus)
         self.memory: Memory = build_memory(cfg, p, bus=self.bus, key_shifter=model.transformer.rotary.shift_keys,
                                            kv_devices=self.placement.kv_devices)
         self.init_log_lines = self._context_log_lines() + self.memory.init_log_lines()
-        for line in self.init_log_lines:
+        for line in self.init_log_lines + self.memory_breakdown_lines():
             log.info("%s", line)
         self._logits: torch.Tensor | None = None
         self._output_batch_idx: np.ndarray = np.zeros(0, dtype=np.int64)
@@ -219,30 +226,17 @@ class Context:
             f"different placement (n_gpu_layers, tensor_split, devices, tensor_overrides) needs that context deleted "
             f"first")
 
-    def _check_virtual_memory(self) -> None:
-        """Refuse weights + KV cache that do not fit a virtual device. Real devices are left to torch,
-        which raises when out of memory."""
-        for dev in {**self.kv_bytes_by_device, **self.weight_bytes_by_device}:
-            if not dev.is_virtual:
-                continue
-            kv, weights = self.kv_bytes_by_device.get(dev, 0), self.weight_bytes_by_device.get(dev, 0)
-            free = dev.free_bytes()
-            if kv + weights > free:
-                what = f"the KV cache needs {kv} bytes" if not weights else \
-                    f"weights ({weights} bytes) and the KV cache ({kv} bytes) need {weights + kv} bytes"
-                raise ContextParamsError(
-                    f"{what} on {dev} but only {free} bytes are free (capacity "
-                    f"{dev.capacity}); use a smaller n_ctx, a quantized cache type, fewer n_gpu_layers, "
-                    f"offload_kqv=False, or a larger device")
-
-    def _reserve_virtual_memory(self) -> None:
-        """Account the KV cache on virtual devices until this context is garbage collected."""
-        virtual = {dev: n for dev, n in self.kv_bytes_by_device.items() if dev.is_virtual}
-        for dev, need in virtual.items():
-            dev.reserve(need)
-        # events cover real devices too (their K/V buffers are allocated next); release() skips them
-        publish_memory_change(self.bus, self.kv_bytes_by_device, "kv", +1)
-        weakref.finalize(self, release_reservations, dict(self.kv_bytes_by_device), self.bus, "kv")
+    def _new_bytes(self) -> dict[Device, dict[str, int]]:
+        """Bytes this context adds per device: weights it moves off the host (or accounts on a virtual
+        device), its K/V buffers and its compute buffers."""
+        need: dict[Device, dict[str, int]] = {}
+        for what, table in (("weights", self.weight_bytes_by_device), ("kv", self.kv_bytes_by_device),
+                            ("compute", self.compute_bytes_by_device)):
+            for dev, nbytes in table.items():
+                if what == "weights" and dev is CPU:
+                    continue  # loaded into host memory already
+                need.setdefault(dev, {})[what] = nbytes
+        return need
 
     def _publish_model_placed(self) -> None:
         """Where the weights are, for front-ends; all on the CPU unless layers are offloaded."""
@@ -293,8 +287,26 @@ class Context:
                 model_name=self.model.name, log_lines=tuple(self.init_log_lines), layer_ids=lo.layer_ids,
                 n_swa=lo.n_swa, swa_type=int(lo.swa_type)))
 
+    # ---- memory ----------------------------------------------------------------------------------
+    def memory_breakdown(self) -> dict[Device, MemoryBreakdown]:
+        """Bytes per device of model weights, context (KV cache) and compute buffers, like llama.cpp's
+        llama_context::memory_breakdown(); every GPU of the context is listed, zeros included."""
+        return breakdown_by_device(self.model_bytes_by_device, self.kv_bytes_by_device, self.compute_bytes_by_device,
+                                   self.gpus)
+
+    def memory_breakdown_lines(self) -> list[str]:
+        """llama_memory_breakdown_print's table, with each GPU's total and free memory as of now."""
+        return breakdown_table(self.memory_breakdown(), self.gpus)
+
     def publish_state(self) -> None:
-        """Publish ContextCreated and a full MemorySnapshot, for a watcher that joins late."""
+        """Publish where the model is, what each device holds, ContextCreated and a full MemorySnapshot,
+        for a watcher that joins late."""
+        self._publish_model_placed()
+        if self.bus.active:
+            self.bus.publish(ev.DeviceMemoryState(tuple(
+                ev.DeviceBytes(dev.name, dev.is_virtual, dev.capacity, dev.reserved_bytes() if dev.is_virtual else None,
+                               mb.model, mb.context, mb.compute)
+                for dev, mb in self.memory_breakdown().items())))
         self._publish_created()
         self.memory.publish_snapshot()
 
@@ -349,7 +361,10 @@ class Context:
         idx = np.concatenate(out_idx)
         order = np.argsort(idx, kind="stable")
         self._output_batch_idx = idx[order]
-        self._logits = torch.cat(out_logits)[torch.from_numpy(order)]
+        # usually one ubatch in batch order: then the forward's logits are kept as they are, not copied
+        logits = out_logits[0] if len(out_logits) == 1 else torch.cat(out_logits)
+        in_order = bool(np.all(order[1:] > order[:-1]))
+        self._logits = logits if in_order else logits[torch.from_numpy(order)]
         self._account(alloc.n_tokens, t0, ms)
         if self.bus.active:
             self.bus.publish(ev.DecodeFinished(0, alloc.n_tokens, tuple(u.n_tokens for u in ubatches),

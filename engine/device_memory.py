@@ -6,6 +6,7 @@ import weakref
 
 from engine import events as ev
 from engine.devices import CPU, Device
+from engine.errors import ContextParamsError
 from engine.weight_devices import WeightDevices
 
 
@@ -26,6 +27,35 @@ def publish_memory_change(bus: ev.EventBus | None, nbytes_by_device: dict[Device
                 reserved=dev.reserved_bytes() if dev.is_virtual else None, what=what, delta=sign * nbytes))
 
 
+NEED_LABELS = {"weights": "weights", "kv": "the KV cache", "compute": "compute buffers"}
+
+
+def check_fits(need: dict[Device, dict[str, int]]) -> None:
+    """Refuse what does not fit, before anything is reserved or allocated. need[dev][what]: bytes
+    new to dev, what in NEED_LABELS. Free memory: a virtual device's ledger, a CUDA device's driver
+    figure, the host's MemAvailable; devices that cannot tell (MPS) are not checked."""
+    for dev, parts in need.items():
+        total = sum(parts.values())
+        free = dev.free_bytes() if total else None
+        if free is None or total <= free:
+            continue
+        named = [f"{NEED_LABELS[what]} ({n} bytes)" for what, n in parts.items() if n]
+        what = named[0] if len(named) == 1 else ", ".join(named[:-1]) + " and " + named[-1]
+        capacity = f" (capacity {dev.capacity})" if dev.capacity is not None else ""
+        raise ContextParamsError(
+            f"{what} need {total} bytes on {dev} but only {free} bytes are free{capacity}; use a smaller n_ctx "
+            f"or n_ubatch, a quantized cache type, fewer n_gpu_layers, offload_kqv=False, or a larger device")
+
+
+def reserve_until_collected(owner, bytes_by_device: dict[Device, int], what: str, bus: ev.EventBus | None) -> None:
+    """Account bytes on virtual devices until owner is garbage collected, and publish both changes.
+    Real devices get the events too (their buffers are allocated by torch); their ledgers stay 0."""
+    for dev, nbytes in bytes_by_device.items():
+        dev.reserve(nbytes)
+    publish_memory_change(bus, bytes_by_device, what, +1)
+    weakref.finalize(owner, release_reservations, dict(bytes_by_device), bus, what)
+
+
 class WeightPlacement:
     """A model's weights placed on devices (spec section 12), shared by every context that asks for
     the same placement: weights exist once per model. Virtual devices account the weight bytes until
@@ -43,8 +73,13 @@ class WeightPlacement:
         weakref.finalize(self, _unplace_weights, transformer, weight_bytes, bus)
 
     def matches(self, weight_devices: WeightDevices) -> bool:
-        # by identity: two virtual devices with the same name and size are still two ledgers
-        return all(a is b for a, b in zip(_stages(self.weight_devices), _stages(weight_devices)))
+        return all(_same_device(a, b) for a, b in zip(_stages(self.weight_devices), _stages(weight_devices)))
+
+
+def _same_device(a: Device, b: Device) -> bool:
+    # virtual devices by identity (two of the same name and size are still two ledgers); real ones by
+    # name, since device discovery makes new Device objects on every call
+    return a is b or (not a.is_virtual and not b.is_virtual and a.name == b.name)
 
 
 def _stages(wd: WeightDevices) -> list[Device]:

@@ -62,12 +62,33 @@ class Device:
     # ---- memory ------------------------------------------------------------------------------
     def free_bytes(self) -> int | None:
         """Free memory now: capacity minus what kvscope reserved for a virtual device, the driver's
-        figure for CUDA, None where unknown (CPU, MPS)."""
+        figure for CUDA, the kernel's MemAvailable for the CPU (host), None where unknown (MPS)."""
         if self.is_virtual:
             return self.capacity - self._ledger.reserved
         if self.kind == "cuda":
             return torch.cuda.mem_get_info(self.torch_device)[0]
+        if self.kind == "cpu":
+            return host_available_bytes()
         return None
+
+    def total_bytes(self) -> int | None:
+        """Memory size: a virtual device's capacity, a GPU's total memory, the host's MemTotal."""
+        if self.kind == "cuda":
+            return torch.cuda.mem_get_info(self.torch_device)[1]
+        if self.kind == "cpu":
+            return host_meminfo_bytes("MemTotal")
+        return self.capacity
+
+    def description(self) -> str:
+        """What llama.cpp's breakdown prints in parentheses after the name."""
+        if self.is_virtual:
+            return "virtual, host memory"
+        if self.kind == "cuda":
+            name = torch.cuda.get_device_name(self.torch_device)
+            for prefix in ("NVIDIA ", "GeForce ", "Tesla "):  # llama.cpp strips these vendor words
+                name = name.removeprefix(prefix)
+            return name
+        return "Apple GPU" if self.kind == "mps" else "host"
 
     def reserved_bytes(self) -> int:
         """Bytes kvscope has reserved on a virtual device (0 for real ones, whose memory torch tracks)."""
@@ -86,6 +107,24 @@ class Device:
 
 
 CPU = Device("CPU", "cpu", torch.device("cpu"))
+
+
+def host_meminfo_bytes(key: str) -> int | None:
+    """A /proc/meminfo figure in bytes (Linux); None where the file or the key is missing."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name == key:
+                    return int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def host_available_bytes() -> int | None:
+    """Host memory a new allocation can get without swapping (MemAvailable)."""
+    return host_meminfo_bytes("MemAvailable")
 
 
 # ---- discovery and virtual devices ------------------------------------------------------------

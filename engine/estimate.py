@@ -15,7 +15,8 @@ import torch
 
 from engine.context import ContextParams
 from engine.devices import CPU, Device, Placement, plan_placement, resolve_gpus
-from engine.kv.factory import cache_layouts, kv_bytes_by_device
+from engine.compute_memory import compute_bytes_by_device
+from engine.kv.factory import cache_layouts, kv_bytes_by_device, kv_size_by_layer
 from engine.models.config import ModelConfig
 from engine.models.model import compute_dtype, resolve_model_path
 from engine.weight_devices import (WeightDevices, model_bytes_by_device, parse_tensor_overrides, plan_weight_devices,
@@ -24,19 +25,21 @@ from engine.weight_devices import (WeightDevices, model_bytes_by_device, parse_t
 
 @dataclass(frozen=True)
 class DeviceEstimate:
-    """Bytes one device would hold. capacity/free: None where unknown (CPU, MPS); free is before this
-    context (a virtual device's ledger may already hold other contexts' reservations)."""
+    """Bytes one device would hold. capacity/free: None where unknown (MPS; the CPU row has the host's
+    MemTotal/MemAvailable); free is before this context (a virtual device's ledger may already hold
+    other contexts' reservations)."""
 
     device: str
     virtual: bool
     model_bytes: int
     kv_bytes: int
+    compute_bytes: int
     capacity: int | None
     free: int | None
 
     @property
     def total_bytes(self) -> int:
-        return self.model_bytes + self.kv_bytes
+        return self.model_bytes + self.kv_bytes + self.compute_bytes
 
     @property
     def fits(self) -> bool:
@@ -146,10 +149,13 @@ def _estimate(cfg: ModelConfig, name: str, gpus: Sequence[Device], dtype: str, *
         head_dims=(cfg.head_dim,) * cfg.n_layer)
     placement = plan_placement(cfg.n_layer, n_gpu_layers, gpus, tensor_split, offload_kqv)
     wd = plan_weight_devices(cfg, placement, parse_tensor_overrides(tensor_overrides, gpus))
-    kv = kv_bytes_by_device(cache_layouts(cfg, params), placement.kv_devices)
+    layouts = cache_layouts(cfg, params)
+    kv = kv_bytes_by_device(layouts, placement.kv_devices)
     weights = model_bytes(cfg, wd, dtype)
-    rows = tuple(DeviceEstimate(dev.name, dev.is_virtual, weights.get(dev, 0), kv.get(dev, 0), dev.capacity,
-                                dev.free_bytes())
+    compute = compute_bytes_by_device(cfg, wd, params.n_ubatch, params.n_stream, kv_size_by_layer(layouts),
+                                      compute_dtype(dtype))
+    rows = tuple(DeviceEstimate(dev.name, dev.is_virtual, weights.get(dev, 0), kv.get(dev, 0), compute.get(dev, 0),
+                                dev.total_bytes(), dev.free_bytes())
                  for dev in [CPU, *gpus])
     return Estimate(name, cfg, params, placement, dtype, rows)
 
@@ -192,11 +198,11 @@ def format_table(est: Estimate) -> str:
     title = (f"model {est.model_name} ({est.config.arch}, {est.config.n_layer} layers, compute {est.dtype}); "
              f"n_ctx = {p.n_ctx}, n_seq_max = {p.n_seq_max}, n_stream = {p.n_stream}, "
              f"K {p.type_k}, V {p.type_v}, -ngl {est.placement.n_gpu_layers}")
-    header = (f"{'device':<20} {'model MiB':>11} {'context MiB':>12} {'total MiB':>11} {'capacity MiB':>13} "
-              f"{'free MiB':>11}")
+    header = (f"{'device':<20} {'model MiB':>11} {'context MiB':>12} {'compute MiB':>12} {'total MiB':>11} "
+              f"{'capacity MiB':>13} {'free MiB':>11}")
     lines = [title, header]
     for d in est.devices:
         flag = "" if d.fits else "  DOES NOT FIT"
-        lines.append(f"{d.label:<20} {mib(d.model_bytes):>11} {mib(d.kv_bytes):>12} {mib(d.total_bytes):>11} "
-                     f"{mib(d.capacity):>13} {mib(d.free):>11}{flag}")
+        lines.append(f"{d.label:<20} {mib(d.model_bytes):>11} {mib(d.kv_bytes):>12} {mib(d.compute_bytes):>12} "
+                     f"{mib(d.total_bytes):>11} {mib(d.capacity):>13} {mib(d.free):>11}{flag}")
     return "\n".join(lines)

@@ -197,9 +197,9 @@ class ModelPlaced(Event):
 
 @dataclass(frozen=True, eq=False)
 class DeviceMemoryChanged(Event):
-    """Bytes put on (delta > 0) or taken off (delta < 0) a device for `what` ("weights" or "kv").
-    reserved: a virtual device's reserved bytes after the change; None for a real device, whose memory
-    torch tracks. capacity: None where unknown."""
+    """Bytes put on (delta > 0) or taken off (delta < 0) a device for `what` ("weights", "kv" or
+    "compute"). reserved: a virtual device's reserved bytes after the change; None for a real device,
+    whose memory torch tracks. capacity: None where unknown."""
 
     device: str
     virtual: bool
@@ -207,6 +207,27 @@ class DeviceMemoryChanged(Event):
     reserved: int | None
     what: str
     delta: int
+
+
+@dataclass(frozen=True)
+class DeviceBytes:
+    """What one context holds on one device (absolute), and the device's ledger."""
+
+    device: str
+    virtual: bool
+    capacity: int | None
+    reserved: int | None  # a virtual device's reserved bytes, all contexts together; None for real ones
+    weights: int
+    kv: int
+    compute: int
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceMemoryState(Event):
+    """The whole device memory picture of a context, for a watcher that joins late (publish_state):
+    later DeviceMemoryChanged events apply on top of it."""
+
+    devices: tuple[DeviceBytes, ...]
 
 
 @dataclass(frozen=True, eq=False)

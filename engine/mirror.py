@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine import events as ev
+from engine.device_mirror import DeviceMirror
 from engine.kv.cells import MAX_SEQ
 
 
@@ -61,6 +62,7 @@ class CacheMirror:
         self.last_decode: ev.DecodeFinished | None = None
         self.stale = False
         self.stats = MirrorStats()
+        self.devices = DeviceMirror()  # device memory bars and the layer/device map
         self._lock = threading.Lock()
         self._subscription: ev.Subscription | None = None
 
@@ -89,6 +91,8 @@ class CacheMirror:
                 self._apply_changes(event)
             elif isinstance(event, ev.DecodeFinished):
                 self.last_decode = event
+            elif isinstance(event, (ev.ModelPlaced, ev.DeviceMemoryChanged, ev.DeviceMemoryState)):
+                self.devices.apply(event)
             elif isinstance(event, ev.EventsDropped):
                 self.stats.dropped += event.count
                 self.stale = True

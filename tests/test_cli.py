@@ -88,7 +88,8 @@ def test_too_small_virtual_gpu_is_a_clear_error(tiny_llama_gguf, capsys):
     rc, _, err = run(["generate", "-m", str(tiny_llama_gguf), "-p", "The", "-n", "1", "-c", "256",
                       "--virtual-gpu", "VGPU0=1KiB", "-ngl", "all"], capsys)
     assert rc == 1
-    assert re.search(r"error: weights \(\d+ bytes\) and the KV cache \(\d+ bytes\) need \d+ bytes on VGPU0 "
+    assert re.search(r"error: weights \(\d+ bytes\), the KV cache \(\d+ bytes\) and compute buffers \(\d+ bytes\) need "
+                     r"\d+ bytes on VGPU0 "
                      r"\(virtual\) but only 1024 bytes are free", err)
 
 

@@ -187,6 +187,21 @@ def model_weight_bytes(model) -> int:
     return sum(tf.layer_weight_bytes(il) for il in range(model.config.n_layer)) + tf.output_weight_bytes()
 
 
+def context_bytes(ctx, dev) -> int:
+    """What a context itself reserves on a device: its K/V and compute buffers."""
+    return ctx.kv_bytes_by_device.get(dev, 0) + ctx.compute_bytes_by_device.get(dev, 0)
+
+
+def compute_bytes_on(model, dev_spec: str, **kwargs) -> int:
+    """Compute buffer bytes a context would reserve on a virtual GPU, from a probe on a large one."""
+    probe_gpu = virtual_device(dev_spec.split("=")[0] + "=1GiB")
+    probe = engine.Context(model, devices=[probe_gpu], **kwargs)
+    nbytes = probe.compute_bytes_by_device.get(probe_gpu, 0)
+    del probe
+    gc.collect()
+    return nbytes
+
+
 def cache_devices(ctx) -> dict[int, str]:
     """model layer -> the name of the device its K/V live on."""
     return {il: dev.name for cache in ctx.memory.caches()
@@ -212,16 +227,20 @@ def test_kv_cache_layers_follow_the_plan(model):
     for gpu in gpus:
         n_on_gpu = sum(d is gpu for d in expected.kv_devices)
         assert ctx.kv_bytes_by_device.get(gpu, 0) == n_on_gpu * per_layer
-        assert gpu.reserved_bytes() == n_on_gpu * per_layer + ctx.weight_bytes_by_device.get(gpu, 0)
+        assert gpu.reserved_bytes() == (n_on_gpu * per_layer + ctx.weight_bytes_by_device.get(gpu, 0)
+                                        + ctx.compute_bytes_by_device.get(gpu, 0))
     assert ctx.decode(Batch.for_sequence([1, 2, 3], seq_id=0, start_pos=0)) == 0
 
 
 def test_nkvo_keeps_kv_on_the_cpu_and_reserves_nothing(model):
     weights = model_weight_bytes(model)
-    gpu = virtual_device(f"VGPU0={weights}B")  # room for the weights only, but -nkvo keeps the KV on the CPU
+    compute = compute_bytes_on(model, "VGPU0", n_ctx=256, n_gpu_layers=-1, offload_kqv=False)
+    # room for the weights and the compute buffers only: -nkvo keeps the KV (and attention) on the CPU
+    gpu = virtual_device(f"VGPU0={weights + compute}B")
     ctx = engine.Context(model, n_ctx=256, devices=[gpu], n_gpu_layers=-1, offload_kqv=False)
     assert set(cache_devices(ctx).values()) == {"CPU"} and ctx.placement.output_device is gpu
-    assert gpu.reserved_bytes() == weights and gpu.free_bytes() == 0
+    assert ctx.kv_bytes_by_device == {CPU: ctx.memory.layout.buffer_bytes()}
+    assert gpu.reserved_bytes() == weights + compute and gpu.free_bytes() == 0
 
 
 def test_kv_that_does_not_fit_a_virtual_device_is_refused_before_allocating(model, monkeypatch):
@@ -243,11 +262,15 @@ def test_kv_that_does_not_fit_a_virtual_device_is_refused_before_allocating(mode
 def test_reservations_add_up_and_are_released_with_the_context(model):
     probe = engine.Context(model, n_ctx=256)
     kv = probe.memory.layout.buffer_bytes()
+    del probe
+    compute = compute_bytes_on(model, "VGPU0", n_ctx=256, n_gpu_layers=-1)
     weights = model_weight_bytes(model)  # reserved once: the contexts share the model's weights
-    gpu = virtual_device(f"VGPU0={weights + kv + kv // 2}B")  # room for one context's KV, not two
+    own = kv + compute  # each context has its own cache and compute buffers
+    gpu = virtual_device(f"VGPU0={weights + own + own // 2}B")  # room for one context, not two
     first = engine.Context(model, n_ctx=256, devices=[gpu], n_gpu_layers=-1)
-    assert gpu.free_bytes() == kv // 2
-    with pytest.raises(ContextParamsError, match=f"needs {kv} bytes on VGPU0 \\(virtual\\) but only {kv // 2}"):
+    assert gpu.free_bytes() == own // 2
+    with pytest.raises(ContextParamsError, match=f"the KV cache \\({kv} bytes\\) and compute buffers \\({compute} "
+                                                 f"bytes\\) need {own} bytes on VGPU0 \\(virtual\\) but only {own // 2}"):
         engine.Context(model, n_ctx=256, devices=[gpu], n_gpu_layers=-1)
     del first
     gc.collect()
@@ -344,7 +367,7 @@ def test_each_device_reserves_its_layer_weights_and_kv(model4):
     weights = expected_weight_bytes(model4, ctx.placement)
     assert names(ctx.placement.layer_devices) == ["VGPU0", "VGPU0", "VGPU0", "VGPU1"]
     for gpu in gpus:
-        assert gpu.reserved_bytes() == weights[gpu.name] + ctx.kv_bytes_by_device[gpu]
+        assert gpu.reserved_bytes() == weights[gpu.name] + context_bytes(ctx, gpu)
     # virtual: the bytes are accounted on the device, the tensors stay in host memory
     assert all(t.device == torch.device("cpu") for layer in model4.transformer.layers
                for t in vars(layer).values() if t is not None)
@@ -361,7 +384,8 @@ def test_weights_that_do_not_fit_are_refused_before_anything_is_reserved(model4,
     del probe
     plan = plan_placement(4, -1, [virtual_device("VGPU9=1GiB")])
     weights = expected_weight_bytes(model4, plan)["VGPU9"]
-    gpu = virtual_device(f"VGPU0={weights + kv - 1}B")  # one byte short
+    compute = compute_bytes_on(model4, "VGPU9", n_ctx=256, n_gpu_layers=-1)
+    gpu = virtual_device(f"VGPU0={weights + kv + compute - 1}B")  # one byte short
 
     def no_placement(*args, **kwargs):
         raise AssertionError("weights were moved although the context is refused")
@@ -369,8 +393,10 @@ def test_weights_that_do_not_fit_are_refused_before_anything_is_reserved(model4,
     monkeypatch.setattr(type(model4.transformer), "place", no_placement)
     with pytest.raises(ContextParamsError) as info:
         engine.Context(model4, n_ctx=256, devices=[gpu], n_gpu_layers=-1)
-    assert str(info.value).startswith(f"weights ({weights} bytes) and the KV cache ({kv} bytes) need {weights + kv} "
-                                      f"bytes on VGPU0 (virtual) but only {weights + kv - 1} bytes are free")
+    total = weights + kv + compute
+    assert str(info.value).startswith(f"weights ({weights} bytes), the KV cache ({kv} bytes) and compute buffers "
+                                      f"({compute} bytes) need {total} bytes on VGPU0 (virtual) but only {total - 1} "
+                                      f"bytes are free (capacity {total - 1}); use a smaller n_ctx")
     assert gpu.reserved_bytes() == 0
 
 
@@ -416,7 +442,7 @@ def test_contexts_share_one_weight_placement_and_refuse_another(model4):
     weights = first.weight_bytes_by_device[gpu]  # the CPU keeps the input embedding
     second = engine.Context(model4, n_ctx=256, devices=[gpu], n_gpu_layers=-1)
     assert second.weights is first.weights and second.weight_bytes_by_device == {}
-    assert gpu.reserved_bytes() == weights + first.kv_bytes_by_device[gpu] + second.kv_bytes_by_device[gpu]
+    assert gpu.reserved_bytes() == weights + context_bytes(first, gpu) + context_bytes(second, gpu)
     with pytest.raises(ContextParamsError, match="already has its weights placed on CPU, VGPU0 \\(virtual\\)"):
         engine.Context(model4, n_ctx=256, devices=[gpu], n_gpu_layers=2)
     with pytest.raises(ContextParamsError, match="already has its weights placed"):
@@ -436,7 +462,8 @@ def test_tied_output_embedding_counts_on_the_output_device_and_input_stays_on_th
     del cpu
     gpu = virtual_device("VGPU0=1GiB")
     ctx = engine.Context(model, n_ctx=256, devices=[gpu], n_gpu_layers=1)  # only the output layer
-    assert gpu.reserved_bytes() == tf.output_weight_bytes()
+    assert gpu.reserved_bytes() == tf.output_weight_bytes() + context_bytes(ctx, gpu)
+    assert gpu not in ctx.kv_bytes_by_device  # no layer's K/V there: only the output layer
     ctx.decode(Batch.for_sequence(PROMPT, seq_id=0, start_pos=0, all_logits=True))
     assert torch.equal(ctx.all_logits(), reference)
     assert ctx.perf.bytes_moved == len(PROMPT) * model.config.n_embd * F32  # every row is an output here

@@ -115,7 +115,8 @@ def test_ffn_down_on_the_cpu_costs_two_copies_per_layer_and_changes_no_logit(mod
     layers = sum(tf.layer_weight_bytes(il) for il in range(N_LAYER))
     assert ctx.model_bytes_by_device[gpu] == layers - N_LAYER * down + tf.output_weight_bytes()
     assert ctx.model_bytes_by_device[CPU] == N_LAYER * down + tf.tok_embd.numel() * F32
-    assert gpu.reserved_bytes() == ctx.model_bytes_by_device[gpu] + ctx.kv_bytes_by_device[gpu]
+    assert gpu.reserved_bytes() == (ctx.model_bytes_by_device[gpu] + ctx.kv_bytes_by_device[gpu]
+                                    + ctx.compute_bytes_by_device[gpu])
 
 
 def test_nkvo_runs_attention_where_the_cache_is(model, gpu):
@@ -141,7 +142,8 @@ def test_overridden_tensors_are_logged_and_published(model, gpu, caplog):
     assert "tensor blk.1.ffn_down.weight (0 MiB f32) buffer type overridden to CPU" in lines
     assert not any("blk.2.ffn_down" in line for line in lines)
     mib = {d: n / 2**20 for d, n in ctx.model_bytes_by_device.items()}
-    assert lines[-len(mib) - len(ctx.init_log_lines):-len(ctx.init_log_lines)] == [
+    tail = len(ctx.init_log_lines) + len(ctx.memory_breakdown_lines())
+    assert lines[-len(mib) - tail:-tail] == [
         f"load_tensors:          CPU model buffer size = {mib[CPU]:8.2f} MiB",
         f"load_tensors: VGPU0 (virtual) model buffer size = {mib[gpu]:8.2f} MiB"]
     placed = next(e for e in sub.drain() if isinstance(e, ev.ModelPlaced))

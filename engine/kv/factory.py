@@ -46,6 +46,11 @@ def kv_bytes_by_device(layouts: dict[str, CacheLayout], kv_devices: Sequence[Dev
     return need
 
 
+def kv_size_by_layer(layouts: dict[str, CacheLayout]) -> dict[int, int]:
+    """Cells per stream of each model layer's cache."""
+    return {il: lo.kv_size for lo in layouts.values() for il in lo.layer_ids}
+
+
 def build_memory(cfg: ModelConfig, params, *, bus: ev.EventBus, key_shifter: KeyShifter,
                  kv_devices: Sequence[Device] | None = None, kv_cache_debug: int | None = None) -> Memory:
     """params: the context's resolved ContextParams. kv_devices[il]: where model layer il's K/V live

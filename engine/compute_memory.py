@@ -1,0 +1,66 @@
+"""Compute buffers: the activation memory a decode needs on each device, beyond weights and K/V.
+
+llama.cpp measures its compute buffers by allocating the graph of the worst-case ubatch (n_ubatch
+tokens, every one an output, attending over the whole cache). kvscope's forward pass allocates
+activations as PyTorch ops run, so it bounds the same worst case from the shapes the forward pass
+creates: for each phase of the pass (a layer's attention, a layer's MLP, the output layer) the
+tensors alive at once, placed on the device each lives on; a device's compute bytes are the
+largest phase on it. The bound counts attention scores and probabilities in full, as the math
+path of scaled_dot_product_attention and Gemma 2's soft-capped attention materialise them; fused
+attention kernels use less. It is a bound, so that a context admitted by it never runs out of
+memory half-way through a decode.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from engine.devices import CPU, Device
+from engine.models.config import ModelConfig
+from engine.weight_devices import WeightDevices
+
+
+def compute_bytes_by_device(config: ModelConfig, wd: WeightDevices, n_ubatch: int, n_stream: int,
+                            kv_size_by_layer: Mapping[int, int], dtype: torch.dtype) -> dict[Device, int]:
+    """Worst-case activation bytes per device for a ubatch of n_ubatch tokens, all outputs.
+    kv_size_by_layer[il]: cells per stream of layer il's cache (an SWA layer's may be smaller)."""
+    c, s, T = config, dtype.itemsize, n_ubatch
+    groups = min(n_stream, T)  # streams one ubatch can span: each gets its own K/V read
+    q_width, kv_width = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+    peak: dict[Device, int] = {}
+
+    def phase(live: dict[Device, int]) -> None:
+        merged: dict[Device, int] = {}
+        for dev, nbytes in live.items():
+            merged[dev] = merged.get(dev, 0) + nbytes
+        for dev, nbytes in merged.items():
+            peak[dev] = max(peak.get(dev, 0), nbytes)
+
+    def live(*pairs: tuple[Device, int]) -> dict[Device, int]:
+        out: dict[Device, int] = {}
+        for dev, nbytes in pairs:
+            out[dev] = out.get(dev, 0) + nbytes
+        return out
+
+    residual = 3 * T * c.n_embd * s  # x, the normed input, the sum being formed
+    score_copies = 4 if c.attn_softcap else 2  # scores and probabilities (+ soft-cap and masked copies)
+    for il, devs in enumerate(wd.layers):
+        n_kv = kv_size_by_layer[il]
+        attention = (
+            T * (q_width + 2 * kv_width) * s  # Q, K, V of the ubatch
+            + 2 * groups * n_kv * kv_width * s  # K and V read back from the cache in the compute dtype
+            + T * n_kv * (1 + s)  # the boolean mask and its additive form
+            + score_copies * c.n_head * T * n_kv * s  # scores and probabilities
+            + T * q_width * s)  # the attention output
+        phase(live((devs.residual, residual), (devs.wqkv, T * (q_width + 2 * kv_width) * s),
+                   (devs.kv, attention), (devs.wo, T * (q_width + c.n_embd) * s)))
+        phase(live((devs.residual, residual), (devs.ffn_norm, T * c.n_embd * s),
+                   (devs.w_gate_up, 4 * T * c.n_ff * s),  # gate|up, the activation, their product
+                   (devs.w_down, T * (c.n_ff + c.n_embd) * s)))
+    logits = 2 * T * c.n_vocab * s  # the column blocks' product and its reshape into rows
+    as_f32 = T * c.n_vocab * 4 if s != 4 else 0  # logits are handed out in float32
+    host_copy = T * c.n_vocab * 4 if wd.output.torch_device.type != "cpu" else 0  # and read on the host
+    phase(live((wd.output_norm, 2 * T * c.n_embd * s), (wd.output, T * c.n_embd * s + logits + as_f32),
+               (CPU, host_copy)))
+    return peak

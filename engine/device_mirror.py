@@ -1,0 +1,62 @@
+"""Device memory and layer placement rebuilt from events: what memory bars and the layer/device map
+draw from (ModelPlaced, DeviceMemoryChanged, DeviceMemoryState)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine import events as ev
+
+PARTS = ("weights", "kv", "compute")
+
+
+@dataclass
+class DeviceRow:
+    """Bytes on one device by part, as the events told them."""
+
+    name: str
+    virtual: bool
+    capacity: int | None
+    reserved: int | None = None  # a virtual device's ledger, all contexts together
+    bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PARTS, 0))
+
+    @property
+    def used(self) -> int:
+        return sum(self.bytes.values())
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} (virtual)" if self.virtual else self.name
+
+
+class DeviceMirror:
+    """Per device: weights, KV and compute bytes; the model's layer placement."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, DeviceRow] = {}
+        self.placement: ev.ModelPlaced | None = None
+
+    def apply(self, event: ev.Event) -> None:
+        if isinstance(event, ev.ModelPlaced):
+            # the weights the context uses, whether it placed them or shares another context's placement
+            self.placement = event
+            for name, nbytes in event.weight_bytes:
+                self.rows.setdefault(name, DeviceRow(name, virtual=False, capacity=None)).bytes["weights"] = nbytes
+        elif isinstance(event, ev.DeviceMemoryChanged):
+            row = self._row(event.device, event.virtual, event.capacity)
+            if event.what != "weights" or event.delta < 0:  # placed weights were counted from ModelPlaced
+                row.bytes[event.what] = row.bytes.get(event.what, 0) + event.delta
+            row.virtual, row.capacity, row.reserved = event.virtual, event.capacity, event.reserved
+        elif isinstance(event, ev.DeviceMemoryState):
+            self.rows = {d.device: DeviceRow(d.device, d.virtual, d.capacity, d.reserved,
+                                             {"weights": d.weights, "kv": d.kv, "compute": d.compute})
+                         for d in event.devices}
+
+    def _row(self, name: str, virtual: bool, capacity: int | None) -> DeviceRow:
+        row = self.rows.get(name)
+        if row is None:
+            row = self.rows[name] = DeviceRow(name, virtual, capacity)
+        return row
+
+    def layer_devices(self) -> tuple[str, ...]:
+        """Each layer's device name (empty until a ModelPlaced arrived)."""
+        return self.placement.layer_devices if self.placement else ()
