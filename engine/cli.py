@@ -8,6 +8,7 @@ import sys
 import time
 
 from engine.errors import KvscopeError
+from engine.settings_aliases import parse_gpu_layers
 from engine.sampling import SamplerParams
 
 log = logging.getLogger("kvscope.cli")
@@ -16,7 +17,12 @@ log = logging.getLogger("kvscope.cli")
 def _add_context_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default="demo",
                    help="GGUF file or Hugging Face folder (default: demo, the bundled demo model)")
-    p.add_argument("-c", "--ctx-size", type=int, default=0, help="context size (default 0: the model's n_ctx_train)")
+    p.add_argument("-c", "--ctx-size", "--kvsize", dest="ctx_size", type=int, default=0,
+                   help="KV cache size in cells, all sequences together (default 0: the model's n_ctx_train). "
+                        "--kvsize is the name articles use; llama.cpp's is -c/--ctx-size")
+    p.add_argument("--swa-window", type=int, default=None, metavar="N",
+                   help="sliding window of a sliding-window model's caches instead of the model's own (an "
+                        "experiment: the model was trained with its own window; memory and cell reuse follow N)")
     p.add_argument("-b", "--batch-size", type=int, default=2048, help="logical batch size")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="physical batch size")
     p.add_argument("-np", "--parallel", type=int, default=1, help="number of parallel sequences")
@@ -34,9 +40,9 @@ def _add_context_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_device_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers", type=_gpu_layers, default=0,
-                   help="layers to offload to the GPUs, the output layer counting as one (default 0; 'all' or -1: "
-                        "every layer)")
+    p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers", type=_gpu_layers, default=None,
+                   help="layers to offload to the GPUs, the output layer counting as one ('all' or -1: every layer; "
+                        "default: $LLAMA_OFFLOAD_LAYERS, else 0)")
     p.add_argument("-ts", "--tensor-split", type=_tensor_split, default=None,
                    help="share of the offloaded layers per GPU, e.g. 3,1 (default: by free memory)")
     p.add_argument("-nkvo", "--no-kv-offload", dest="offload_kqv", action="store_false",
@@ -53,12 +59,10 @@ def _add_device_flags(p: argparse.ArgumentParser) -> None:
 
 def _gpu_layers(text: str) -> int:
     """llama.cpp's -ngl: a number, or 'all' (every layer, -1)."""
-    if text.strip().lower() == "all":
-        return -1
     try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of layers or 'all', got {text!r}") from None
+        return parse_gpu_layers(text, "-ngl")
+    except KvscopeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _tensor_split(text: str) -> list[float]:
@@ -125,7 +129,7 @@ def _context_kwargs(args: argparse.Namespace) -> dict:
                 kv_unified=args.kv_unified, pad=args.pad, type_k=args.cache_type_k, type_v=args.cache_type_v,
                 flash_attn=args.flash_attn, swa_full=args.swa_full, devices=args.virtual_gpu,
                 n_gpu_layers=args.n_gpu_layers, tensor_split=args.tensor_split, offload_kqv=args.offload_kqv,
-                tensor_overrides=args.tensor_overrides)
+                tensor_overrides=args.tensor_overrides, swa_window=args.swa_window)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -29,6 +29,7 @@ from engine.kv.cells import MAX_SEQ
 from engine.kv.types import cache_type
 from engine.models.model import Model
 from engine.models.transformer import DecodeAborted
+from engine.settings_aliases import context_size, gpu_layers, with_swa_window
 from engine.weight_devices import (WeightDevices, model_buffer_log_lines, parse_tensor_overrides, plan_weight_devices,
                                    weight_tensor_sizes)
 
@@ -125,19 +126,27 @@ class PerfCounters:
 class Context:
     """Decode batches against a llama.cpp-exact KV cache, publishing every cache change on `bus`."""
 
-    def __init__(self, model: Model, *, n_ctx: int = 512, n_batch: int = 2048, n_ubatch: int = 512,
+    def __init__(self, model: Model, *, n_ctx: int | None = None, n_batch: int = 2048, n_ubatch: int = 512,
                  n_seq_max: int = 1, kv_unified: bool = False, pad: int = 256, type_k: str = "f16",
                  type_v: str = "f16", flash_attn: str = "auto", swa_full: bool = False,
                  abort_callback: Callable[[], bool] | None = None, bus: ev.EventBus | None = None,
-                 devices: Sequence[Device | str] | None = None, n_gpu_layers: int = 0,
+                 devices: Sequence[Device | str] | None = None, n_gpu_layers: int | None = None,
                  tensor_split: Sequence[float] | None = None, offload_kqv: bool = True,
-                 tensor_overrides: Sequence[str] | None = None) -> None:
+                 tensor_overrides: Sequence[str] | None = None, kvsize: int | None = None,
+                 swa_window: int | None = None, kv_cache_debug: int | None = None) -> None:
         """devices: the GPUs to offload to (None: the real ones found; see engine.devices.resolve_gpus),
         n_gpu_layers/tensor_split/offload_kqv/tensor_overrides as llama.cpp's -ngl/-ts/-kvo/-ot
         ("REGEX=DEVICE" items; see engine.weight_devices). Each layer's K/V and, when anything is
         offloaded, each weight goes to its device. Weights are shared by the model's contexts, so a
-        context whose placement differs from a live one's is refused."""
-        cfg = model.config
+        context whose placement differs from a live one's is refused.
+
+        Names from llama.cpp articles (engine.settings_aliases): kvsize is n_ctx (default 512, llama.cpp's
+        library default; 0: n_ctx_train); n_gpu_layers defaults to $LLAMA_OFFLOAD_LAYERS, else 0;
+        swa_window replaces a sliding-window model's window for the caches. kv_cache_debug: llama.cpp's
+        LLAMA_KV_CACHE_DEBUG level for the slot-search dump (None: the environment variable)."""
+        n_ctx, n_gpu_layers = context_size(n_ctx, kvsize), gpu_layers(n_gpu_layers)
+        self.cache_config = with_swa_window(model.config, swa_window)  # what the caches are sized and masked by
+        cfg = self.cache_config
         self.model = model
         self.params = ContextParams.resolve(
             n_ctx_train=cfg.n_ctx_train, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max,
@@ -171,7 +180,7 @@ class Context:
         reserve_until_collected(self, self.kv_bytes_by_device, "kv", self.bus)
         reserve_until_collected(self, self.compute_bytes_by_device, "compute", self.bus)
         self.memory: Memory = build_memory(cfg, p, bus=self.bus, key_shifter=model.transformer.rotary.shift_keys,
-                                           kv_devices=self.placement.kv_devices)
+                                           kv_devices=self.placement.kv_devices, kv_cache_debug=kv_cache_debug)
         self.init_log_lines = self._context_log_lines() + self.memory.init_log_lines()
         for line in self.init_log_lines + self.memory_breakdown_lines():
             log.info("%s", line)
@@ -265,6 +274,9 @@ class Context:
             f"llama_context: freq_base     = {cfg.rope_theta:.1f}",
             "llama_context: freq_scale    = 1",
         ]
+        if self.cache_config.n_swa != cfg.n_swa:
+            lines.append(f"llama_context: n_swa = {self.cache_config.n_swa} replaces the model's sliding window of "
+                         f"{cfg.n_swa}, which it was trained with")
         if p.n_ctx_seq < cfg.n_ctx_train:
             lines.append(f"llama_context: n_ctx_seq ({p.n_ctx_seq}) < n_ctx_train ({cfg.n_ctx_train}) -- "
                          "the full capacity of the model will not be utilized")
@@ -285,7 +297,7 @@ class Context:
                 type_v=p.type_v, v_trans=p.v_trans, k_bytes=cache.k_bytes(), v_bytes=cache.v_bytes(),
                 n_batch=p.n_batch, n_ubatch=p.n_ubatch, pad=p.pad, unified=p.kv_unified,
                 model_name=self.model.name, log_lines=tuple(self.init_log_lines), layer_ids=lo.layer_ids,
-                n_swa=lo.n_swa, swa_type=int(lo.swa_type)))
+                n_swa=lo.n_swa, swa_type=int(lo.swa_type), n_swa_train=self.model.config.n_swa if lo.n_swa else 0))
 
     # ---- memory ----------------------------------------------------------------------------------
     def memory_breakdown(self) -> dict[Device, MemoryBreakdown]:

@@ -19,6 +19,7 @@ from engine.compute_memory import compute_bytes_by_device
 from engine.kv.factory import cache_layouts, kv_bytes_by_device, kv_size_by_layer
 from engine.models.config import ModelConfig
 from engine.models.model import compute_dtype, resolve_model_path
+from engine.settings_aliases import context_size, gpu_layers, with_swa_window
 from engine.weight_devices import (WeightDevices, model_bytes_by_device, parse_tensor_overrides, plan_weight_devices,
                                    weight_tensor_sizes)
 
@@ -124,8 +125,8 @@ def model_bytes(config: ModelConfig, wd: WeightDevices, dtype: str = "f32") -> d
 def estimate(path: str | Path = "demo", *, dtype: str = "f32", **settings) -> Estimate:
     """Bytes per device for the model at path with engine.Context's settings (same names and
     defaults: n_ctx, n_batch, n_ubatch, n_seq_max, kv_unified, pad, type_k, type_v, flash_attn,
-    swa_full, devices, n_gpu_layers, tensor_split, offload_kqv, tensor_overrides), without reading
-    tensor data."""
+    swa_full, devices, n_gpu_layers, tensor_split, offload_kqv, tensor_overrides, kvsize, swa_window),
+    without reading tensor data."""
     cfg, name, gpus = _read_target(path, dtype, settings)
     return _estimate(cfg, name, gpus, dtype, **settings)
 
@@ -138,11 +139,14 @@ def _read_target(path: str | Path, dtype: str, settings: dict) -> tuple[ModelCon
     return cfg, name, resolve_gpus(settings.pop("devices", None))
 
 
-def _estimate(cfg: ModelConfig, name: str, gpus: Sequence[Device], dtype: str, *, n_ctx: int = 512,
+def _estimate(cfg: ModelConfig, name: str, gpus: Sequence[Device], dtype: str, *, n_ctx: int | None = None,
               n_batch: int = 2048, n_ubatch: int = 512, n_seq_max: int = 1, kv_unified: bool = False, pad: int = 256,
               type_k: str = "f16", type_v: str = "f16", flash_attn: str = "auto", swa_full: bool = False,
-              n_gpu_layers: int = 0, tensor_split: Sequence[float] | None = None,
-              offload_kqv: bool = True, tensor_overrides: Sequence[str] | None = None) -> Estimate:
+              n_gpu_layers: int | None = None, tensor_split: Sequence[float] | None = None,
+              offload_kqv: bool = True, tensor_overrides: Sequence[str] | None = None, kvsize: int | None = None,
+              swa_window: int | None = None) -> Estimate:
+    n_ctx, n_gpu_layers = context_size(n_ctx, kvsize), gpu_layers(n_gpu_layers)
+    cfg = with_swa_window(cfg, swa_window)
     params = ContextParams.resolve(
         n_ctx_train=cfg.n_ctx_train, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max,
         kv_unified=kv_unified, pad=pad, type_k=type_k, type_v=type_v, flash_attn=flash_attn, swa_full=swa_full,
@@ -168,6 +172,7 @@ def fit(path: str | Path = "demo", *, dtype: str = "f32", **settings) -> Estimat
 
     cfg, name, gpus = _read_target(path, dtype, settings)
     settings.pop("n_gpu_layers", None)
+    settings["n_ctx"] = context_size(settings.pop("n_ctx", None), settings.pop("kvsize", None))
 
     def run(**overrides) -> Estimate:
         return _estimate(cfg, name, gpus, dtype, **{**settings, **overrides})

@@ -177,6 +177,7 @@ class ContextCreated(Event):
     log_lines: tuple[str, ...]
     layer_ids: tuple[int, ...] = ()  # model layers stored in this cache
     n_swa: int = 0  # sliding window of this cache (0: full attention)
+    n_swa_train: int = 0  # the window the model was trained with (differs from n_swa after swa_window=)
     swa_type: int = 0
 
 
