@@ -281,3 +281,12 @@ def test_build_memory_gives_every_cache_the_level(monkeypatch):
     assert levels(kv_cache_debug=3) == [3, 3]
     assert levels(kv_cache_debug=0) == [0, 0]
     assert levels() == [1, 1]
+
+
+def test_a_ubatch_larger_than_the_cache_is_an_error_line_at_any_level(caplog):
+    """llama.cpp logs it with LLAMA_LOG_ERROR, debug dump or not."""
+    caplog.set_level(logging.ERROR, logger="kvscope")
+    memory = cache(8, level=0)
+    assert decode(memory, seq_run(0, 0, 8)) == 1
+    errors = [r for r in caplog.records if r.name == LOGGER and r.levelno == logging.ERROR]
+    assert [r.getMessage() for r in errors] == ["find_slot: n_tokens = 9 > size = 8"]

@@ -303,7 +303,7 @@ class KVCache:
         if head > used + 2 * n:
             head = 0  # llama.cpp's heuristic: a far head after many removals restarts the scan
         if n > self.size:
-            log.debug("find_slot: n_tokens = %d > size = %d", n, self.size)
+            log.error("find_slot: n_tokens = %d > size = %d", n, self.size)
             self._publish_slot_failure(stream, n)
             return None
         order = (head + np.arange(self.size)) % self.size
