@@ -6,32 +6,27 @@ after a failure part-way through a batch.
 """
 from __future__ import annotations
 
-import gc
 import logging
 import time
-import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from engine import events as ev
 from engine.batch import Batch, BatchAllocator, UBatch
-from engine.devices import CPU, Device, Placement, plan_placement, resolve_gpus
+from engine.context_devices import ContextDevices
+from engine.devices import Device
 from engine.errors import BatchTooLargeError, ContextParamsError, InvalidBatchError
-from engine.compute_memory import compute_bytes_by_device
-from engine.device_memory import WeightPlacement, check_fits, offloads_anything, reserve_until_collected
-from engine.kv.factory import build_memory, cache_layouts, kv_bytes_by_device, kv_size_by_layer
-from engine.kv.memory import Memory
-from engine.memory_breakdown import MemoryBreakdown, breakdown_by_device, breakdown_table
 from engine.kv.cells import MAX_SEQ
+from engine.kv.factory import build_memory
+from engine.kv.memory import Memory
 from engine.kv.types import cache_type
+from engine.memory_breakdown import MemoryBreakdown
 from engine.models.model import Model
 from engine.models.transformer import DecodeAborted
 from engine.settings_aliases import context_size, gpu_layers, with_swa_window
-from engine.weight_devices import (WeightDevices, model_buffer_log_lines, parse_tensor_overrides, plan_weight_devices,
-                                   weight_tensor_sizes)
 
 log = logging.getLogger("kvscope.context")
 
@@ -63,7 +58,7 @@ class ContextParams:
     @classmethod
     def resolve(cls, *, n_ctx_train: int, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int,
                 kv_unified: bool, pad: int, type_k: str, type_v: str, flash_attn: str,
-                swa_full: bool, head_dims: tuple[int, ...] = ()) -> "ContextParams":
+                swa_full: bool, head_dims: tuple[int, ...] = ()) -> ContextParams:
         """head_dims: the K/V head size of every model layer, for the block-size check of quantized
         cache types (empty: not checked). A quantized V cache turns flash_attn "auto" into "on"."""
         if pad < 1:
@@ -156,29 +151,16 @@ class Context:
         self.abort_callback = abort_callback
         self.perf = PerfCounters()
         p = self.params
-        gpus = resolve_gpus(devices)
-        self.placement: Placement = plan_placement(cfg.n_layer, n_gpu_layers, gpus, tensor_split, offload_kqv)
-        self.weight_devices: WeightDevices = plan_weight_devices(
-            cfg, self.placement, parse_tensor_overrides(tensor_overrides, gpus))
-        layouts = cache_layouts(cfg, p)
-        self.kv_bytes_by_device = kv_bytes_by_device(layouts, self.placement.kv_devices)
-        self.compute_bytes_by_device = compute_bytes_by_device(
-            cfg, self.weight_devices, p.n_ubatch, p.n_stream, kv_size_by_layer(layouts), model.transformer.dtype)
-        self.model_bytes_by_device = model.transformer.weight_bytes_by_device(self.weight_devices)
-        self.gpus: tuple[Device, ...] = tuple(gpus)
-        self._log_placement()
-        self.weights = self._existing_weight_placement()
-        # what this context places (and, on virtual devices, reserves); empty when it shares a placement
-        self.weight_bytes_by_device = (dict(self.model_bytes_by_device)
-                                       if self.weights is None and offloads_anything(self.weight_devices) else {})
-        check_fits(self._new_bytes())  # before anything is reserved or allocated: a refusal leaves no trace
-        self._publish_model_placed()
-        if self.weight_bytes_by_device:
-            self.weights = WeightPlacement(model.transformer, self.weight_devices, self.weight_bytes_by_device,
-                                           self.bus)
-            model.transformer.weight_placement = weakref.ref(self.weights)
-        reserve_until_collected(self, self.kv_bytes_by_device, "kv", self.bus)
-        reserve_until_collected(self, self.compute_bytes_by_device, "compute", self.bus)
+        self.devices = ContextDevices(model, cfg, p, devices=devices, n_gpu_layers=n_gpu_layers,
+                                      tensor_split=tensor_split, offload_kqv=offload_kqv,
+                                      tensor_overrides=tensor_overrides)  # refuses what does not fit
+        self.devices.commit(self, self.bus)
+        self.placement, self.gpus = self.devices.placement, self.devices.gpus
+        self.weight_devices, self.weights = self.devices.weight_devices, self.devices.weights
+        # bytes per device: model weights, K/V and compute buffers; and the weights this context placed
+        self.model_bytes_by_device, self.kv_bytes_by_device = self.devices.model_bytes, self.devices.kv_bytes
+        self.compute_bytes_by_device = self.devices.compute_bytes
+        self.weight_bytes_by_device = self.devices.placed_weight_bytes
         self.memory: Memory = build_memory(cfg, p, bus=self.bus, key_shifter=model.transformer.rotary.shift_keys,
                                            kv_devices=self.placement.kv_devices, kv_cache_debug=kv_cache_debug)
         self.init_log_lines = self._context_log_lines() + self.memory.init_log_lines()
@@ -205,59 +187,6 @@ class Context:
     @property
     def n_seq_max(self) -> int:
         return self.params.n_seq_max
-
-    def _log_placement(self) -> None:
-        cfg = self.model.config
-        for line in self.placement.debug_log_lines([cfg.is_swa(il) for il in range(cfg.n_layer)]):
-            log.debug("%s", line)
-        sizes = weight_tensor_sizes(cfg, self.model.transformer.dtype)
-        for line in self.weight_devices.override_log_lines(sizes):
-            log.debug("%s", line)
-        for line in self.placement.info_log_lines() + model_buffer_log_lines(self.model_bytes_by_device):
-            log.info("%s", line)
-
-    def _existing_weight_placement(self) -> WeightPlacement | None:
-        """The live placement of this model's weights, if any. One that differs from ours is refused:
-        the weights exist once. A context not yet garbage collected may still hold one, hence gc."""
-        transformer = self.model.transformer
-        for attempt in range(2):
-            ref = getattr(transformer, "weight_placement", None)
-            live = ref() if ref is not None else None
-            if live is None:
-                return None
-            if live.matches(self.weight_devices):
-                return live
-            if attempt == 0:
-                gc.collect()
-        raise ContextParamsError(
-            f"model {self.model.name!r} already has its weights placed on "
-            f"{', '.join(str(d) for d in live.weight_devices.devices())} by another context; a context with a "
-            f"different placement (n_gpu_layers, tensor_split, devices, tensor_overrides) needs that context deleted "
-            f"first")
-
-    def _new_bytes(self) -> dict[Device, dict[str, int]]:
-        """Bytes this context adds per device: weights it moves off the host (or accounts on a virtual
-        device), its K/V buffers and its compute buffers."""
-        need: dict[Device, dict[str, int]] = {}
-        for what, table in (("weights", self.weight_bytes_by_device), ("kv", self.kv_bytes_by_device),
-                            ("compute", self.compute_bytes_by_device)):
-            for dev, nbytes in table.items():
-                if what == "weights" and dev is CPU:
-                    continue  # loaded into host memory already
-                need.setdefault(dev, {})[what] = nbytes
-        return need
-
-    def _publish_model_placed(self) -> None:
-        """Where the weights are, for front-ends; all on the CPU unless layers are offloaded."""
-        if not self.bus.active:
-            return
-        placement = self.placement
-        self.bus.publish(ev.ModelPlaced(
-            model_name=self.model.name, layer_devices=tuple(d.name for d in placement.layer_devices),
-            output_device=placement.output_device.name,
-            weight_bytes=tuple((d.name, n) for d, n in self.model_bytes_by_device.items()),
-            shared=self.weights is not None,
-            overridden=tuple((name, d.name) for name, d in self.weight_devices.overridden)))
 
     def _context_log_lines(self) -> list[str]:
         p, cfg = self.params, self.model.config
@@ -303,22 +232,16 @@ class Context:
     def memory_breakdown(self) -> dict[Device, MemoryBreakdown]:
         """Bytes per device of model weights, context (KV cache) and compute buffers, like llama.cpp's
         llama_context::memory_breakdown(); every GPU of the context is listed, zeros included."""
-        return breakdown_by_device(self.model_bytes_by_device, self.kv_bytes_by_device, self.compute_bytes_by_device,
-                                   self.gpus)
+        return self.devices.breakdown()
 
     def memory_breakdown_lines(self) -> list[str]:
         """llama_memory_breakdown_print's table, with each GPU's total and free memory as of now."""
-        return breakdown_table(self.memory_breakdown(), self.gpus)
+        return self.devices.breakdown_lines()
 
     def publish_state(self) -> None:
         """Publish where the model is, what each device holds, ContextCreated and a full MemorySnapshot,
         for a watcher that joins late."""
-        self._publish_model_placed()
-        if self.bus.active:
-            self.bus.publish(ev.DeviceMemoryState(tuple(
-                ev.DeviceBytes(dev.name, dev.is_virtual, dev.capacity, dev.reserved_bytes() if dev.is_virtual else None,
-                               mb.model, mb.context, mb.compute)
-                for dev, mb in self.memory_breakdown().items())))
+        self.devices.publish_state(self.bus)
         self._publish_created()
         self.memory.publish_snapshot()
 
