@@ -1,4 +1,5 @@
-"""Decode speed and activation traffic of layer offload (-ngl 0, half, all), on CUDA or virtual devices.
+"""Decode speed and activation traffic of layer offload (-ngl 0, half, all; all with -nkvo; all with the
+MLP weights kept on the CPU by -ot), on CUDA or virtual devices.
 
 A random llama is written on the fly (nothing is downloaded) and run in f32, greedy, batch 1: a
 prompt, then new tokens one at a time. Each setting places the weights differently, and a model's
@@ -38,9 +39,14 @@ def write_model(folder: Path, n_layer: int, n_embd: int) -> Path:
                           n_head_kv=min(4, n_head), n_ff=n_embd * 11 // 4, vocab_size=8000, seed=0)
 
 
-def settings(n_layer: int) -> dict[str, int]:
-    """-ngl per setting; "half" offloads half of the n_layer + 1 llama.cpp layers (the output counts as one)."""
-    return {"ngl 0": 0, "ngl half": (n_layer + 1) // 2, "ngl all": -1}
+def settings(n_layer: int) -> dict[str, dict]:
+    """Context placement keywords per setting. "half" offloads half of the n_layer + 1 llama.cpp layers
+    (the output counts as one). The last two show what costs traffic beyond layer boundaries: K/V
+    kept on the CPU (attention runs there, so Q, K, V go over and its output comes back), and MLP
+    weights kept on the CPU with -ot (the MLP's input and output cross in every layer)."""
+    return {"ngl 0": dict(n_gpu_layers=0), "ngl half": dict(n_gpu_layers=(n_layer + 1) // 2),
+            "ngl all": dict(n_gpu_layers=-1), "all -nkvo": dict(n_gpu_layers=-1, offload_kqv=False),
+            "all -ot ffn": dict(n_gpu_layers=-1, tensor_overrides=["ffn_.*=CPU"])}
 
 
 def layers_on_gpu(ctx) -> str:
@@ -49,11 +55,11 @@ def layers_on_gpu(ctx) -> str:
     return f"{n}/{p.n_layer + 1}"
 
 
-def run(model, device: str, ngl: int, prompt: list[int], n_new: int) -> dict:
+def run(model, device: str, placement: dict, prompt: list[int], n_new: int) -> dict:
     """One prompt + n_new greedy steps on a fresh context; decode-only traffic is measured from the
     counters after the prompt, because the prompt moves only one output row to the output layer."""
     ctx = engine.Context(model, n_ctx=len(prompt) + n_new, n_batch=len(prompt), n_ubatch=len(prompt),
-                         devices=[device], n_gpu_layers=ngl)
+                         devices=[device], **placement)
     perf = ctx.perf
     assert ctx.decode(Batch.for_sequence(prompt, seq_id=0, start_pos=0)) == 0, ctx.last_error
     moved0, copy0, tokens0 = perf.bytes_moved, perf.copy_ms, perf.n_tokens_computed
@@ -91,8 +97,8 @@ def main() -> None:
         model = engine.load_model(write_model(Path(tmp), args.layers, args.size))
     prompt = torch.randint(3, model.n_vocab, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
     plan = settings(args.layers)
-    for ngl in plan.values():  # warm-up: first CUDA kernels and first allocations are slow
-        run(model, device, ngl, prompt[:8], 4)
+    for placement in plan.values():  # warm-up: first CUDA kernels and first allocations are slow
+        run(model, device, placement, prompt[:8], 4)
     rows: dict[str, list[dict]] = {name: [] for name in plan}
     t_start = time.perf_counter()
     names = list(plan)
@@ -119,10 +125,10 @@ def main() -> None:
           f"{args.new} new tokens, medians of {args.reps}")
     print(f"GPU: {gpu_label} -- {'a REAL device' if real else 'a VIRTUAL device (host memory; no GPU here)'}; "
           f"copies: {copy_kind}")
-    print(f"\n{'setting':10s} {'on GPU':>7s} {'decode tok/s':>13s} {'prompt tok/s':>13s} {'bytes/token':>12s} "
+    print(f"\n{'setting':12s} {'on GPU':>7s} {'decode tok/s':>13s} {'prompt tok/s':>13s} {'bytes/token':>12s} "
           f"{'copy ms/tok':>12s} {'copy share':>11s}")
     for name, m in med.items():
-        print(f"{name:10s} {m['layers_on_gpu']:>7s} {m['decode_tok_s']:13.1f} {m['prompt_tok_s']:13.1f} "
+        print(f"{name:12s} {m['layers_on_gpu']:>7s} {m['decode_tok_s']:13.1f} {m['prompt_tok_s']:13.1f} "
               f"{m['bytes_moved_per_token']:12.0f} {m['copy_ms_per_token']:12.4f} {m['copy_share']:11.2%}")
     print("\nbytes/token, copy ms/tok and copy share are for the decode steps (one token each); copy share is "
           "copy time over decode time")
