@@ -1,0 +1,143 @@
+"""docs/coming-from-llama-cpp.md stays honest: the flags it lists as supported are accepted by the
+CLI for the commands it names, the environment variables it lists are read by the engine, and the
+flags it lists as not supported are rejected (argparse's exit code 2)."""
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from pathlib import Path
+
+import pytest
+
+from engine.cli import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "coming-from-llama-cpp.md"
+COMMANDS = ("generate", "parallel", "estimate")
+FLAG = re.compile(r"(?<![\w-])(--?[a-zA-Z][\w-]*)")
+ENV = re.compile(r"`(LLAMA_[A-Z_]+)`")
+
+# Not-supported flags that argparse does not reject today: a single-dash prefix of a kvscope flag
+# (Python 3.11 prefix-matches those even with allow_abbrev=False). Documented on the page.
+KNOWN_MISPARSED = {"-t": "-t 1 is taken as -ts 1"}
+
+
+def sections() -> dict[str, str]:
+    """'## ' heading -> its text."""
+    parts = re.split(r"^## ", DOC.read_text(encoding="utf-8"), flags=re.M)
+    return {p.splitlines()[0].strip(): p for p in parts[1:]}
+
+
+def section(word: str) -> str:
+    return "\n".join(text for title, text in sections().items() if word.lower() in title.lower())
+
+
+def table_rows(text: str, column: str) -> list[dict[str, str]]:
+    """Rows of every markdown table in text whose header has `column`."""
+    rows, header = [], None
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+        if header is None:
+            header = cells
+        elif set(line.replace("|", "").strip()) <= set("-: "):
+            continue
+        elif column in header:
+            rows.append(dict(zip(header, cells)))
+    return rows
+
+
+def code_spans(cell: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", cell)
+
+
+def supported_flags() -> list[tuple[str, str]]:
+    out = []
+    for row in table_rows(section("Flags"), "kvscope flag"):
+        flags = [f for span in code_spans(row["kvscope flag"]) for f in FLAG.findall(span.split()[0])
+                 if span.startswith("-")]
+        cmds = [c.strip() for c in row["commands"].split(",")]
+        out += [(cmd, flag) for cmd in cmds for flag in flags]
+    return out
+
+
+def unsupported_argvs() -> list[list[str]]:
+    argvs = []
+    for row in table_rows(section("Not supported"), "llama.cpp flag"):
+        for span in code_spans(row["llama.cpp flag"]):
+            words = span.split()
+            argvs.append(words if len(words) > 1 else words + ["1"])
+    return argvs
+
+
+def parse(argv: list[str]) -> tuple[int, str]:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            build_parser().parse_args(argv)
+        except SystemExit as e:
+            return int(e.code or 0), err.getvalue()
+    return 0, ""
+
+
+def sample_value(cmd: str, flag: str) -> list[str]:
+    sub = build_parser()._subparsers._group_actions[0].choices[cmd]
+    action = sub._option_string_actions[flag]
+    if action.nargs == 0:
+        return []
+    if action.choices:
+        return [list(action.choices)[0]]
+    return {"-ngl": ["all"], "--virtual-gpu": ["VGPU0=64MiB"], "-ot": ["ffn_down=CPU"]}.get(flag, ["1"])
+
+
+def test_the_page_lists_flags_and_commands():
+    pairs = supported_flags()
+    assert len(pairs) > 60
+    assert {cmd for cmd, _ in pairs} == set(COMMANDS)
+    assert ("estimate", "--fit") in pairs and ("generate", "--context-shift") in pairs
+    assert len(unsupported_argvs()) > 20
+
+
+@pytest.mark.parametrize("cmd,flag", supported_flags())
+def test_supported_flag_is_accepted(cmd, flag):
+    sub = build_parser()._subparsers._group_actions[0].choices[cmd]
+    assert flag in sub._option_string_actions, f"kvscope {cmd} has no {flag}"
+    action = sub._option_string_actions[flag]
+    argv = [cmd, flag, *sample_value(cmd, action.option_strings[0])]
+    rc, err = parse(argv)
+    assert rc == 0, f"{argv}: {err}"
+
+
+@pytest.mark.parametrize("argv", unsupported_argvs(), ids=" ".join)
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_unsupported_flag_is_rejected(cmd, argv):
+    if argv[0] in KNOWN_MISPARSED:
+        pytest.xfail(KNOWN_MISPARSED[argv[0]])
+    rc, _ = parse([cmd, *argv])
+    assert rc == 2, f"kvscope {cmd} {' '.join(argv)} was accepted"
+
+
+def engine_sources() -> str:
+    return "\n".join(p.read_text(encoding="utf-8") for p in (ROOT / "engine").rglob("*.py"))
+
+
+def test_supported_environment_variables_are_read():
+    names = [ENV.search(row["variable"]).group(1) for row in table_rows(section("Environment"), "variable")]
+    assert names == ["LLAMA_KV_CACHE_DEBUG", "LLAMA_OFFLOAD_LAYERS"]
+    for path in (ROOT / "engine").rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        if "os.environ" in text:
+            names = [n for n in names if f'"{n}"' not in text]
+    assert not names, f"listed as supported but never read next to os.environ: {names}"
+
+
+def test_unsupported_environment_variables_are_not_read():
+    text = section("Not supported")
+    names = [n for n in ENV.findall(text) if not n.endswith("_")]
+    assert "LLAMA_BATCH_DEBUG" in names and "LLAMA_ATTN_ROT_DISABLE" in names
+    source = engine_sources()
+    assert not [n for n in names if f'"{n}"' in source]
+    assert '"LLAMA_ARG_' not in source
