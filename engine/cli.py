@@ -83,15 +83,25 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat-last-n", type=int, default=64)
 
 
+class ExactFlagParser(argparse.ArgumentParser):
+    """Flags match only as written. argparse otherwise reads an unknown single-dash flag as the prefix
+    of a known one (llama.cpp's "-t 4" would become "-ts 4"), even with allow_abbrev=False."""
+
+    def _get_option_tuples(self, option_string: str) -> list:
+        return []
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvscope", allow_abbrev=False,
+    parser = ExactFlagParser(prog="kvscope", allow_abbrev=False,
                                      description="kvscope: a live explorer of LLM KV caches")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", allow_abbrev=False, help="generate text and print llama.cpp's logs")
     _add_context_flags(gen)
     _add_sampling_flags(gen)
     gen.add_argument("-p", "--prompt", default="Once upon a time")
-    gen.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate per sequence")
+    gen.add_argument("-n", "--n-predict", type=int, default=64,
+                     help="tokens to generate per sequence (-1: until end of generation or a full context; 0: "
+                          "evaluate the prompt only)")
     gen.add_argument("--context-shift", action="store_true",
                      help="when a sequence's context is full, discard half of it after the first --keep tokens "
                           "and go on (llama-completion's rule)")
@@ -136,6 +146,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import engine
     from engine.generate import Generator
 
+    if args.parallel < 1:
+        raise KvscopeError(f"-np must be >= 1, got {args.parallel}")
     t_load = time.perf_counter()
     model = engine.load_model(args.model, dtype=args.dtype)
     load_ms = (time.perf_counter() - t_load) * 1e3

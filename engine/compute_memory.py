@@ -5,10 +5,10 @@ tokens, every one an output, attending over the whole cache). kvscope's forward 
 activations as PyTorch ops run, so it bounds the same worst case from the shapes the forward pass
 creates: for each phase of the pass (a layer's attention, a layer's MLP, the output layer) the
 tensors alive at once, placed on the device each lives on; a device's compute bytes are the
-largest phase on it. The bound counts attention scores and probabilities in full, as the math
-path of scaled_dot_product_attention and Gemma 2's soft-capped attention materialise them; fused
-attention kernels use less. It is a bound, so that a context admitted by it never runs out of
-memory half-way through a decode.
+largest phase on it. Attention scores are counted as the kernel that runs holds them (see
+_scores_bytes). It is meant as a bound, so that a context admitted by it does not run out of
+memory half-way through a decode; tests/test_memory_breakdown.py measures a real decode's peak
+against it.
 """
 from __future__ import annotations
 
@@ -44,14 +44,13 @@ def compute_bytes_by_device(config: ModelConfig, wd: WeightDevices, n_ubatch: in
         return out
 
     residual = 3 * T * c.n_embd * s  # x, the normed input, the sum being formed
-    score_copies = 4 if c.attn_softcap else 2  # scores and probabilities (+ soft-cap and masked copies)
     for il, devs in enumerate(wd.layers):
         n_kv = kv_size_by_layer[il]
         attention = (
             T * (q_width + 2 * kv_width) * s  # Q, K, V of the ubatch
             + 2 * groups * n_kv * kv_width * s  # K and V read back from the cache in the compute dtype
             + T * n_kv * (1 + s)  # the boolean mask and its additive form
-            + score_copies * c.n_head * T * n_kv * s  # scores and probabilities
+            + _scores_bytes(c, devs.kv, T, n_kv, s)
             + T * q_width * s)  # the attention output
         phase(live((devs.residual, residual), (devs.wqkv, T * (q_width + 2 * kv_width) * s),
                    (devs.kv, attention), (devs.wo, T * (q_width + c.n_embd) * s)))
@@ -64,3 +63,19 @@ def compute_bytes_by_device(config: ModelConfig, wd: WeightDevices, n_ubatch: in
     phase(live((wd.output_norm, 2 * T * c.n_embd * s), (wd.output, T * c.n_embd * s + logits + as_f32),
                (CPU, host_copy)))
     return peak
+
+
+# torch's CPU flash-attention kernel works in blocks of at most this many queries x keys per thread
+CPU_FUSED_BLOCK = 256 * 512
+
+
+def _scores_bytes(c: ModelConfig, kv_device: Device, T: int, n_kv: int, s: int) -> int:
+    """Attention scores and probabilities. On the host, scaled_dot_product_attention runs torch's
+    fused CPU kernel, which holds a block of scores per thread; on a GPU a boolean mask with grouped
+    K/V heads sends it down the math path, which materialises all of them, as does Gemma 2's
+    soft-capped attention everywhere (scores, their soft-capped and masked copies, probabilities)."""
+    if c.attn_softcap:
+        return 4 * c.n_head * T * n_kv * s
+    if kv_device.torch_device.type == "cpu":
+        return 2 * torch.get_num_threads() * min(T * n_kv, CPU_FUSED_BLOCK) * 4
+    return 2 * c.n_head * T * n_kv * s

@@ -77,8 +77,7 @@ class ContextParams:
                 raise ContextParamsError(
                     f"quantized V cache requires flash_attn to be enabled (type_v = {ctype_v.name}, "
                     f"flash_attn = 'off'); use flash_attn='auto' or 'on', or an unquantized V cache (f16, bf16, f32)")
-            log.info("llama_init_from_model: enabling flash_attn since it is required for quantized V cache")
-            flash_attn = "on"
+            flash_attn = "on"  # Context logs llama_init_from_model's line after the model's placement lines
         if flash_attn != "off":
             for kind, ctype in (("k", ctype_k), ("v", ctype_v)):
                 bad = [d for d in head_dims if ctype.is_quantized and d % ctype.block_size]
@@ -155,6 +154,8 @@ class Context:
                                       tensor_split=tensor_split, offload_kqv=offload_kqv,
                                       tensor_overrides=tensor_overrides)  # refuses what does not fit
         self.devices.commit(self, self.bus)
+        if p.flash_attn != flash_attn:
+            log.info("llama_init_from_model: enabling flash_attn since it is required for quantized V cache")
         self.placement, self.gpus = self.devices.placement, self.devices.gpus
         self.weight_devices, self.weights = self.devices.weight_devices, self.devices.weights
         # bytes per device: model weights, K/V and compute buffers; and the weights this context placed
@@ -163,9 +164,11 @@ class Context:
         self.weight_bytes_by_device = self.devices.placed_weight_bytes
         self.memory: Memory = build_memory(cfg, p, bus=self.bus, key_shifter=model.transformer.rotary.shift_keys,
                                            kv_devices=self.placement.kv_devices, kv_cache_debug=kv_cache_debug)
-        self.init_log_lines = self._context_log_lines() + self.memory.init_log_lines()
-        for line in self.init_log_lines + self.memory_breakdown_lines():
-            log.info("%s", line)
+        self.init_log_lines = self._context_log_lines() + self.memory.init_log_lines()  # the info lines
+        records = ([(logging.INFO, line) for line in self._context_log_lines()] + self.memory.init_log_records()
+                   + [(logging.INFO, line) for line in self.memory_breakdown_lines()])
+        for level, line in records:
+            log.log(level, "%s", line)
         self._logits: torch.Tensor | None = None
         self._output_batch_idx: np.ndarray = np.zeros(0, dtype=np.int64)
         self.last_error = ""

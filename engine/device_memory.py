@@ -44,7 +44,8 @@ def check_fits(need: dict[Device, dict[str, int]]) -> None:
         capacity = f" (capacity {dev.capacity})" if dev.capacity is not None else ""
         raise ContextParamsError(
             f"{what} need {total} bytes on {dev} but only {free} bytes are free{capacity}; use a smaller n_ctx "
-            f"or n_ubatch, a quantized cache type, fewer n_gpu_layers, offload_kqv=False, or a larger device")
+            f"(-c) or n_ubatch (-ub), a quantized cache type (-ctk/-ctv), fewer n_gpu_layers (-ngl), "
+            f"offload_kqv=False (-nkvo), or a larger device")
 
 
 def reserve_until_collected(owner, bytes_by_device: dict[Device, int], what: str, bus: ev.EventBus | None) -> None:

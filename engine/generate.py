@@ -142,6 +142,10 @@ class Generator:
     # ---- the loop ---------------------------------------------------------------------------
     def _steps(self, prompts, n_predict, seq_ids, on_text, results_out) -> Iterator[None]:
         seq_ids = list(range(len(prompts))) if seq_ids is None else list(seq_ids)
+        if not prompts:
+            raise KvscopeError("no prompts: give at least one")
+        if n_predict < -1:
+            raise KvscopeError(f"n_predict must be -1 (no limit), 0 (the prompt only) or more, got {n_predict}")
         if len(seq_ids) != len(prompts):
             raise KvscopeError(f"{len(prompts)} prompts but {len(seq_ids)} seq ids")
         if len(set(seq_ids)) != len(seq_ids):
@@ -153,8 +157,12 @@ class Generator:
             return
         yield
         active = running
+        if n_predict == 0:  # llama.cpp evaluates the prompt and stops
+            for r in running:
+                r.result.stop_reason = "length"
+            return
         self._sample_all(active, torch.stack(first_logits), on_text)
-        for _ in range(n_predict - 1):
+        while True:  # n_predict - 1 more steps; n_predict -1: until every sequence stops on its own
             active = [r for r in active if not self._finished(r, n_predict)]
             if self.context_shift:
                 active = self._make_room(active)
@@ -266,7 +274,7 @@ class Generator:
 
     @staticmethod
     def _finished(r: _Running, n_predict: int) -> bool:
-        if not r.result.stop_reason and len(r.result.tokens) >= n_predict:
+        if not r.result.stop_reason and 0 <= n_predict <= len(r.result.tokens):
             r.result.stop_reason = "length"
         return bool(r.result.stop_reason)
 

@@ -68,9 +68,11 @@ def parse_tensor_overrides(specs: Sequence[str] | None, gpus: Sequence[Device]) 
                 raise DeviceSpecError(f"bad tensor override {item!r}: {pattern!r} is not a regex ({e})") from None
             device = available.get(target.strip().upper())
             if device is None:
+                virtual = [d.name for d in available.values() if d.is_virtual]
                 raise DeviceSpecError(
                     f"unknown buffer type {target.strip()!r} in tensor override {item!r}; available buffer types: "
-                    f"{', '.join(str(d) for d in available.values())}")
+                    f"{', '.join(d.name for d in available.values())}"
+                    + (f" (virtual: {', '.join(virtual)})" if virtual else ""))
             out.append(TensorOverride(pattern, device))
     return tuple(out)
 

@@ -98,3 +98,8 @@ def test_parallel_accepts_the_device_flags(tiny_llama_gguf, capsys):
                       "--seed", "1", "--virtual-gpu", "VGPU0=64MiB", "-ngl", "1"], capsys)
     assert rc == 0
     assert "load_tensors: offloaded 1/3 layers to GPU" in err
+
+
+def test_generate_refuses_np_0(capsys):
+    rc, _, err = run(["generate", "-p", "And", "-n", "2", "-np", "0"], capsys)
+    assert rc == 1 and "error: -np must be >= 1, got 0" in err

@@ -467,3 +467,29 @@ def test_tied_output_embedding_counts_on_the_output_device_and_input_stays_on_th
     ctx.decode(Batch.for_sequence(PROMPT, seq_id=0, start_pos=0, all_logits=True))
     assert torch.equal(ctx.all_logits(), reference)
     assert ctx.perf.bytes_moved == len(PROMPT) * model.config.n_embd * F32  # every row is an output here
+
+
+def test_kv_cache_logs_each_layers_device_or_filtered_at_debug(caplog):
+    """llama_kv_cache's per-layer debug lines (spec section 11), before each cache's buffer lines."""
+    model = engine.load_model("demo")  # gemma3: layers 0-4 sliding, layer 5 full
+    with caplog.at_level(logging.DEBUG, logger="kvscope"):
+        ctx = engine.Context(model, n_ctx=256, devices=["VGPU0=256MiB"], n_gpu_layers=4)  # layers 3-5 + output
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("llama_kv_cache")]
+    vgpu = "VGPU0 (virtual)"
+    base = [f"llama_kv_cache: layer {il:3d}: filtered" for il in range(5)] + [f"llama_kv_cache: layer   5: dev = {vgpu}"]
+    swa = ([f"llama_kv_cache: layer {il:3d}: dev = CPU" for il in range(3)]
+           + [f"llama_kv_cache: layer {il:3d}: dev = {vgpu}" for il in (3, 4)] + ["llama_kv_cache: layer   5: filtered"])
+    first_base = lines.index("llama_kv_cache_iswa: creating non-SWA KV cache, size = 256 cells")
+    assert lines[first_base + 1:first_base + 7] == base
+    assert lines[first_base + 7].startswith("llama_kv_cache: VGPU0 (virtual) KV buffer size")
+    first_swa = next(i for i, line in enumerate(lines) if line.startswith("llama_kv_cache_iswa: creating     SWA"))
+    assert lines[first_swa + 1:first_swa + 7] == swa
+    levels = {r.getMessage(): r.levelno for r in caplog.records}
+    assert levels[base[0]] == logging.DEBUG and levels[lines[first_base + 7]] == logging.INFO
+    # with -nkvo every layer's K/V is on the CPU, and the info lines stay what ContextCreated carries
+    assert not any(re.match(r"llama_kv_cache: layer +\d+:", line) for line in ctx.init_log_lines)
+    del ctx
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="kvscope"):
+        engine.Context(model, n_ctx=256, devices=["VGPU0=256MiB"], n_gpu_layers=4, offload_kqv=False)
+    assert "llama_kv_cache: layer   4: dev = CPU" in caplog.messages

@@ -87,3 +87,24 @@ def test_token_sampled_events_carry_the_tokens(model):
     events = sub.drain()
     assert [e.token for e in events] == result.tokens
     assert [e.pos for e in events] == list(range(len(result.prompt_tokens), len(result.prompt_tokens) + 6))
+
+
+def test_n_predict_minus_1_runs_until_the_cache_is_full_and_0_only_reads_the_prompt(model):
+    """llama.cpp's -n: -1 has no limit, 0 evaluates the prompt and samples nothing."""
+    ctx = new_ctx(model, n_ctx=64, pad=32, n_seq_max=1)
+    prompt = list(range(5, 25))
+    result = Generator(ctx, GREEDY).generate(prompt, -1)
+    limited = Generator(new_ctx(model, n_ctx=64, pad=32, n_seq_max=1), GREEDY).generate(prompt, 100)
+    assert result.tokens == limited.tokens and result.stop_reason == limited.stop_reason
+    assert result.stop_reason in ("context_full", "eog")
+    ctx = new_ctx(model, n_ctx=64, pad=32, n_seq_max=1)
+    none = Generator(ctx, GREEDY).generate(prompt, 0)
+    assert none.tokens == [] and none.stop_reason == "length" and ctx.memory.used(0) == len(prompt)
+
+
+def test_bad_n_predict_and_no_prompts_are_refused(model):
+    gen = Generator(new_ctx(model), GREEDY)
+    with pytest.raises(engine.KvscopeError, match="n_predict must be -1"):
+        gen.generate("The sea", -2)
+    with pytest.raises(engine.KvscopeError, match="no prompts"):
+        gen.generate_parallel([], 4)

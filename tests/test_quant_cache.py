@@ -309,11 +309,17 @@ def test_quantized_v_with_flash_attn_off_fails(name):
 
 @pytest.mark.parametrize("name", QTYPES)
 def test_quantized_v_forces_flash_attn_on(name, caplog):
-    with caplog.at_level("INFO", logger="kvscope.context"):
-        p = resolve(type_v=name, flash_attn="auto", head_dims=(64,) * 4)
+    p = resolve(type_v=name, flash_attn="auto", head_dims=(64,) * 4)
     assert (p.flash_attn, p.v_trans) == ("on", False)
-    assert "enabling flash_attn since it is required for quantized V cache" in caplog.text
     assert resolve(type_v=name, flash_attn="on").flash_attn == "on"
+    # the context says so after the model's load_tensors lines, where llama_init_from_model says it
+    model = in_memory_model(n_embd=64, n_head=1, n_head_kv=1, head_dim=64)
+    with caplog.at_level("INFO", logger="kvscope"):
+        engine.Context(model, n_ctx=256, type_v=name)
+    lines = caplog.messages
+    note = lines.index("llama_init_from_model: enabling flash_attn since it is required for quantized V cache")
+    assert note > max(i for i, line in enumerate(lines) if line.startswith("load_tensors:"))
+    assert note < lines.index("llama_context: constructing llama_context")
 
 
 def test_quantized_k_alone_keeps_the_requested_flash_attn():

@@ -92,6 +92,15 @@ class KVCache:
     def init_log_lines(self) -> list[str]:
         return self.layout.init_log_lines([as_device(d) for d in self.layer_devices])
 
+    def init_log_records(self, n_layer: int | None = None) -> list[tuple[int, str]]:
+        """The init lines with llama.cpp's per-layer debug lines before them: each model layer's K/V
+        device, or "filtered" for a layer of the other cache of an iSWA pair (n_layer: the model's)."""
+        devices = dict(zip(self.layout.layer_ids, self.layer_devices))
+        layers = [(logging.DEBUG, f"llama_kv_cache: layer {il:3d}: " +
+                   (f"dev = {as_device(devices[il])}" if il in devices else "filtered"))
+                  for il in range(n_layer if n_layer is not None else len(self.layout.layer_ids))]
+        return layers + [(logging.INFO, line) for line in self.init_log_lines()]
+
     def caches(self) -> list["KVCache"]:
         """The caches behind this memory: just this one (an iSWA pair has two)."""
         return [self]

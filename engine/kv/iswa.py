@@ -61,14 +61,18 @@ class KVCacheISWA:
 
     # ---- sizes and logs --------------------------------------------------------------------
     def init_log_lines(self) -> list[str]:
-        lines = []
+        return [line for level, line in self.init_log_records() if level == logging.INFO]
+
+    def init_log_records(self) -> list[tuple[int, str]]:
+        n_layer = len(self.base.layout.layer_ids) + len(self.swa.layout.layer_ids)
+        records = []
         if self.swa_full:
-            lines.append(f"llama_kv_cache_iswa: using full-size SWA cache (ref: {FULL_SWA_REF})")
-        lines.append(f"llama_kv_cache_iswa: creating non-SWA KV cache, size = {self.base.size} cells")
-        lines += self.base.init_log_lines()
-        lines.append(f"llama_kv_cache_iswa: creating     SWA KV cache, size = {self.swa.size} cells")
-        lines += self.swa.init_log_lines()
-        return lines
+            records.append((logging.INFO, f"llama_kv_cache_iswa: using full-size SWA cache (ref: {FULL_SWA_REF})"))
+        records.append((logging.INFO, f"llama_kv_cache_iswa: creating non-SWA KV cache, size = {self.base.size} cells"))
+        records += self.base.init_log_records(n_layer)
+        records.append((logging.INFO, f"llama_kv_cache_iswa: creating     SWA KV cache, size = {self.swa.size} cells"))
+        records += self.swa.init_log_records(n_layer)
+        return records
 
     def k_bytes(self) -> int:
         return self.base.k_bytes() + self.swa.k_bytes()
