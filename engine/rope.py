@@ -98,5 +98,5 @@ class Rotary:
     def shift_keys(self, layer: int, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """Re-rotate stored keys [N, n_head_kv, D] (float32) of model layer `layer` by delta [N]
         positions (the K-shift), with that layer's RoPE base and scale."""
-        cos, sin = self.cos_sin(delta, torch.float32, layer)
-        return self.apply(keys, cos, sin)
+        cos, sin = self.cos_sin(delta, torch.float32, layer)  # made on the host, like every RoPE table
+        return self.apply(keys, cos.to(keys.device), sin.to(keys.device))

@@ -217,3 +217,60 @@ def test_estimate_equals_the_cuda_allocation(request, arch, ngl):
     assert est["CPU"].kv_bytes == sum(t.numel() * t.element_size() for _, t in kv if t.device.type == "cpu")
     assert est[GPU].model_bytes == cuda_bytes(t for ts in weight_tensors(model).values() for t in ts)
     assert not est[GPU].virtual and est[GPU].capacity == torch.cuda.get_device_properties(0).total_memory
+
+
+# ---- cache operations and state on the GPU ----------------------------------------------------------------
+def shifted_then_decoded(model, **settings) -> torch.Tensor:
+    """Prefill, shift the sequence by -3 (a K-shift of the keys on their device), decode one token."""
+    ctx = engine.Context(model, n_ctx=256, type_k="q8_0", **settings)
+    assert ctx.decode(Batch.for_sequence(PROMPT, seq_id=0, start_pos=0)) == 0, ctx.last_error
+    ctx.memory.seq_rm(0, 0, 3)
+    ctx.memory.seq_add(0, 3, -1, -3)
+    assert ctx.decode(Batch.for_sequence([9], seq_id=0, start_pos=len(PROMPT) - 3)) == 0, ctx.last_error
+    out = ctx.logits(-1).clone()
+    del ctx
+    gc.collect()
+    return out
+
+
+def test_k_shift_of_quantized_keys_on_the_gpu_matches_the_cpu():
+    model = in_memory_model(n_layer=4, head_dim=32, n_embd=64, n_head=2, n_head_kv=1)
+    reference = shifted_then_decoded(model)
+    assert_close_steps([shifted_then_decoded(model, devices=[GPU], n_gpu_layers=-1)], [reference])
+
+
+def test_a_sequence_saved_on_the_gpu_restores_on_the_cpu(model):
+    ctx = engine.Context(model, n_ctx=256, type_k="f32", type_v="f32", devices=[GPU], n_gpu_layers=-1)
+    assert ctx.decode(Batch.for_sequence(PROMPT, seq_id=0, start_pos=0)) == 0, ctx.last_error
+    data = ctx.state_seq_get_data(0)
+    assert ctx.decode(Batch.for_sequence([5], seq_id=0, start_pos=len(PROMPT))) == 0, ctx.last_error
+    on_gpu = ctx.logits(-1).clone()
+    del ctx
+    gc.collect()
+    cpu = engine.Context(model, n_ctx=256, type_k="f32", type_v="f32")
+    assert cpu.state_seq_set_data(data, 0) == len(data)
+    assert cpu.decode(Batch.for_sequence([5], seq_id=0, start_pos=len(PROMPT))) == 0, cpu.last_error
+    assert_close_steps([cpu.logits(-1)], [on_gpu])
+
+
+def test_mlp_weights_kept_on_the_cpu_by_ot(model):
+    reference = run_steps(model)
+    ctx = engine.Context(model, n_ctx=256, devices=[GPU], n_gpu_layers=-1, tensor_overrides=["ffn_.*=CPU"])
+    layer = model.transformer.layers[1]
+    assert not layer.w_gate_up.is_cuda and not layer.w_down.is_cuda and layer.wqkv.is_cuda
+    del ctx
+    gc.collect()
+    assert_close_steps(run_steps(model, devices=[GPU], n_gpu_layers=-1, tensor_overrides=["ffn_.*=CPU"]), reference)
+
+
+def test_breakdown_reads_the_driver_and_the_kv_is_allocated_there():
+    model = in_memory_model(n_layer=4)
+    before = torch.cuda.memory_allocated()
+    ctx = engine.Context(model, n_ctx=1024, type_k="f32", type_v="f32", devices=[GPU], n_gpu_layers=-1)
+    gpu = ctx.gpus[0]
+    row = ctx.memory_breakdown()[gpu]
+    assert torch.cuda.memory_allocated() - before >= row.model + row.context
+    line = ctx.memory_breakdown_lines()[1]
+    total, free = map(int, re.findall(r"\| +(\d+) = +(\d+) \+", line)[0])
+    assert total == torch.cuda.mem_get_info()[1] // (1 << 20)
+    assert abs(free - torch.cuda.mem_get_info()[0] // (1 << 20)) <= 64
