@@ -8,8 +8,8 @@ import sys
 import time
 
 from engine.errors import KvscopeError
-from engine.settings_aliases import parse_gpu_layers
 from engine.sampling import SamplerParams
+from engine.settings_aliases import parse_gpu_layers
 
 log = logging.getLogger("kvscope.cli")
 

@@ -11,17 +11,20 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
+from engine.compute_memory import compute_bytes_by_device
 from engine.context import ContextParams
 from engine.devices import CPU, Device, Placement, plan_placement, resolve_gpus
-from engine.compute_memory import compute_bytes_by_device
 from engine.kv.factory import cache_layouts, kv_bytes_by_device, kv_size_by_layer
 from engine.models.config import ModelConfig
 from engine.models.model import compute_dtype, resolve_model_path
 from engine.settings_aliases import context_size, gpu_layers, with_swa_window
-from engine.weight_devices import (WeightDevices, model_bytes_by_device, parse_tensor_overrides, plan_weight_devices,
-                                   weight_tensor_sizes)
+from engine.weight_devices import (
+    WeightDevices,
+    model_bytes_by_device,
+    parse_tensor_overrides,
+    plan_weight_devices,
+    weight_tensor_sizes,
+)
 
 
 @dataclass(frozen=True)

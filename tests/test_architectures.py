@@ -23,7 +23,6 @@ import pytest
 import torch
 
 import engine
-from tests.decode_driver import decode_sequences
 from engine.batch import Batch
 from engine.errors import ModelFileError, UnsupportedArchitectureError
 from engine.formats.gguf_file import (
@@ -34,6 +33,7 @@ from engine.formats.gguf_file import (
 from engine.models.load import read_checkpoint
 from engine.rope import Rotary, inverse_frequencies
 from engine.testing import write_gguf_from_hf
+from tests.decode_driver import decode_sequences
 
 TOL = 1e-4
 WINDOW = 8  # tests/conftest.py's SWA_WINDOW

@@ -11,7 +11,15 @@ import torch
 
 import engine
 from engine.batch import Batch
-from engine.devices import CPU, Device, discover_devices, parse_size, plan_placement, virtual_device, virtual_devices
+from engine.devices import (
+    CPU,
+    Device,
+    discover_devices,
+    parse_size,
+    plan_placement,
+    virtual_device,
+    virtual_devices,
+)
 from engine.errors import ContextParamsError, DeviceSpecError, KvscopeError
 from tests.model_factory import in_memory_model
 

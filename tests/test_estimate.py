@@ -9,7 +9,6 @@ import pytest
 
 import engine
 from engine.cli import main
-from engine.devices import CPU
 from engine.estimate import estimate, fit
 
 SETTINGS = {

@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from engine.errors import ModelFileError, UnsupportedArchitectureError
-from engine.formats.gguf_file import dequantize_tensor, open_gguf, permute_qk, unpermute_qk
+from engine.formats.gguf_file import (
+    dequantize_tensor,
+    open_gguf,
+    permute_qk,
+    unpermute_qk,
+)
 from engine.formats.hf_folder import rope_from_hf_config
 from engine.models.config import RopeScaling
 from engine.models.load import Checkpoint, read_checkpoint

@@ -18,9 +18,9 @@ from engine import events as ev
 from engine.batch import BatchAllocator, UBatch
 from engine.devices import Device, as_device
 from engine.errors import MemoryOperationError
-from engine.kv.cells import MAX_SEQ, KVCells
 from engine.kv import slot_debug
 from engine.kv.attention import UbatchAttention
+from engine.kv.cells import MAX_SEQ, KVCells
 from engine.kv.layout import CacheLayout
 from engine.kv.storage import RowStorage
 from engine.kv.swa import SwaType, is_masked_swa

@@ -5,7 +5,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from engine.devices import CPU, Device
-
 from engine.kv.swa import SwaType
 from engine.kv.types import CacheType
 

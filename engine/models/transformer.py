@@ -16,14 +16,13 @@ attention explicitly; the final logits are soft-capped in float32.
 from __future__ import annotations
 
 import time
-
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from engine.devices import CPU, Device
+from engine.devices import Device
 from engine.models.config import ModelConfig
 from engine.rope import Rotary
 from engine.weight_devices import BIAS_OF, LayerDevices, WeightDevices, all_on_cpu
