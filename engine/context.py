@@ -22,6 +22,7 @@ from engine.errors import BatchTooLargeError, ContextParamsError, InvalidBatchEr
 from engine.kv.cells import MAX_SEQ
 from engine.kv.factory import build_memory
 from engine.kv.memory import Memory
+from engine.kv.slot_debug import level_from_env
 from engine.kv.types import cache_type
 from engine.memory_breakdown import MemoryBreakdown
 from engine.models.model import Model
@@ -139,6 +140,8 @@ class Context:
         swa_window replaces a sliding-window model's window for the caches. kv_cache_debug: llama.cpp's
         LLAMA_KV_CACHE_DEBUG level for the slot-search dump (None: the environment variable)."""
         n_ctx, n_gpu_layers = context_size(n_ctx, kvsize), gpu_layers(n_gpu_layers)
+        # read before anything is placed or reserved, so that a bad value leaves no trace
+        kv_cache_debug = level_from_env() if kv_cache_debug is None else kv_cache_debug
         self.cache_config = with_swa_window(model.config, swa_window)  # what the caches are sized and masked by
         cfg = self.cache_config
         self.model = model
@@ -162,8 +165,13 @@ class Context:
         self.model_bytes_by_device, self.kv_bytes_by_device = self.devices.model_bytes, self.devices.kv_bytes
         self.compute_bytes_by_device = self.devices.compute_bytes
         self.weight_bytes_by_device = self.devices.placed_weight_bytes
-        self.memory: Memory = build_memory(cfg, p, bus=self.bus, key_shifter=model.transformer.rotary.shift_keys,
-                                           kv_devices=self.placement.kv_devices, kv_cache_debug=kv_cache_debug)
+        try:
+            self.memory: Memory = build_memory(cfg, p, bus=self.bus, key_shifter=model.transformer.rotary.shift_keys,
+                                               kv_devices=self.placement.kv_devices, kv_cache_debug=kv_cache_debug)
+        except (RuntimeError, MemoryError) as e:  # torch could not allocate the K/V buffers after all
+            self.devices.undo()
+            raise ContextParamsError(f"the KV cache could not be allocated ({e}); nothing was kept: use a smaller "
+                                     f"n_ctx (-c) or a quantized cache type (-ctk/-ctv)") from e
         self.init_log_lines = self._context_log_lines() + self.memory.init_log_lines()  # the info lines
         records = ([(logging.INFO, line) for line in self._context_log_lines()] + self.memory.init_log_records()
                    + [(logging.INFO, line) for line in self.memory_breakdown_lines()])

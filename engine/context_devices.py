@@ -69,11 +69,21 @@ class ContextDevices:
     def commit(self, owner, bus: ev.EventBus) -> None:
         """Place the weights (unless shared) and reserve K/V and compute bytes until owner is collected."""
         self.publish_model_placed(bus)
+        self._undo = []
         if self.placed_weight_bytes:
             self.weights = WeightPlacement(self.model.transformer, self.weight_devices, self.placed_weight_bytes, bus)
             self.model.transformer.weight_placement = weakref.ref(self.weights)
-        reserve_until_collected(owner, self.kv_bytes, "kv", bus)
-        reserve_until_collected(owner, self.compute_bytes, "compute", bus)
+            self._undo.append(self.weights.undo)
+        self._undo.append(reserve_until_collected(owner, self.kv_bytes, "kv", bus))
+        self._undo.append(reserve_until_collected(owner, self.compute_bytes, "compute", bus))
+
+    def undo(self) -> None:
+        """Release what commit() did, now: for a context that failed after committing (an exception's
+        frames would otherwise keep the half-made context, and its reservations, alive)."""
+        for finalizer in reversed(self._undo):
+            finalizer()
+        if self.placed_weight_bytes:
+            self.model.transformer.weight_placement = None  # placed no more, whoever still holds it
 
     # ---- planning ------------------------------------------------------------------------------
     def _log_placement(self) -> None:

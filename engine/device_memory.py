@@ -48,13 +48,15 @@ def check_fits(need: dict[Device, dict[str, int]]) -> None:
             f"offload_kqv=False (-nkvo), or a larger device")
 
 
-def reserve_until_collected(owner, bytes_by_device: dict[Device, int], what: str, bus: ev.EventBus | None) -> None:
-    """Account bytes on virtual devices until owner is garbage collected, and publish both changes.
-    Real devices get the events too (their buffers are allocated by torch); their ledgers stay 0."""
+def reserve_until_collected(owner, bytes_by_device: dict[Device, int], what: str,
+                            bus: ev.EventBus | None) -> weakref.finalize:
+    """Account bytes on virtual devices until owner is garbage collected (or the returned finalizer
+    is called), and publish both changes. Real devices get the events too (their buffers are
+    allocated by torch); their ledgers stay 0."""
     for dev, nbytes in bytes_by_device.items():
         dev.reserve(nbytes)
     publish_memory_change(bus, bytes_by_device, what, +1)
-    weakref.finalize(owner, release_reservations, dict(bytes_by_device), bus, what)
+    return weakref.finalize(owner, release_reservations, dict(bytes_by_device), bus, what)
 
 
 class WeightPlacement:
@@ -71,7 +73,7 @@ class WeightPlacement:
             dev.reserve(nbytes)
         publish_memory_change(bus, weight_bytes, "weights", +1)
         transformer.place(weight_devices)
-        weakref.finalize(self, _unplace_weights, transformer, weight_bytes, bus)
+        self.undo = weakref.finalize(self, _unplace_weights, transformer, weight_bytes, bus)
 
     def matches(self, weight_devices: WeightDevices) -> bool:
         return all(_same_device(a, b) for a, b in zip(_stages(self.weight_devices), _stages(weight_devices)))

@@ -501,3 +501,22 @@ def test_kv_cache_logs_each_layers_device_or_filtered_at_debug(caplog):
     with caplog.at_level(logging.DEBUG, logger="kvscope"):
         engine.Context(model, n_ctx=256, devices=["VGPU0=256MiB"], n_gpu_layers=4, offload_kqv=False)
     assert "llama_kv_cache: layer   4: dev = CPU" in caplog.messages
+
+
+def test_a_cache_torch_cannot_allocate_leaves_nothing_placed_or_reserved(monkeypatch):
+    """Free memory looked sufficient, then the allocation itself failed (another process took the
+    memory): the weights go back and every reservation is released at once, not at garbage collection."""
+    model = in_memory_model(n_layer=4)
+    gpu = virtual_device("VGPU0=1GiB")
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr("engine.context.build_memory", out_of_memory)
+    with pytest.raises(ContextParamsError, match="the KV cache could not be allocated .*CUDA out of memory") as info:
+        engine.Context(model, n_ctx=256, devices=[gpu], n_gpu_layers=-1)
+    assert info.traceback  # the half-made context is still referenced from the exception's frames
+    assert gpu.reserved_bytes() == 0
+    assert {d.name for d in model.transformer.weight_devices.devices()} == {"CPU"}
+    monkeypatch.undo()
+    engine.Context(model, n_ctx=256, devices=[gpu], n_gpu_layers=2)  # another placement is free to go

@@ -290,3 +290,13 @@ def test_a_ubatch_larger_than_the_cache_is_an_error_line_at_any_level(caplog):
     assert decode(memory, seq_run(0, 0, 8)) == 1
     errors = [r for r in caplog.records if r.name == LOGGER and r.levelno == logging.ERROR]
     assert [r.getMessage() for r in errors] == ["find_slot: n_tokens = 9 > size = 8"]
+
+
+def test_a_bad_environment_value_refuses_the_context_before_anything_is_reserved(monkeypatch):
+    monkeypatch.setenv("LLAMA_KV_CACHE_DEBUG", "lots")
+    gpu = engine.devices.virtual_device("VGPU0=64MiB")
+    model = in_memory_model()
+    with pytest.raises(ContextParamsError, match="LLAMA_KV_CACHE_DEBUG='lots' is not an integer"):
+        engine.Context(model, n_ctx=256, devices=[gpu], n_gpu_layers=-1)
+    assert gpu.reserved_bytes() == 0  # checked while the exception (and its frames) still live
+    assert {d.name for d in model.transformer.weight_devices.devices()} == {"CPU"}
