@@ -1,4 +1,4 @@
-"""Decode speed and activation traffic of layer offload (-ngl 0, half, all; all with -nkvo; all with the
+"""Decode speed and device traffic of layer offload (-ngl 0, half, all; all with -nkvo; all with the
 MLP weights kept on the CPU by -ot), on CUDA or virtual devices.
 
 A random llama is written on the fly (nothing is downloaded) and run in f32, greedy, batch 1: a
@@ -130,8 +130,9 @@ def main() -> None:
     for name, m in med.items():
         print(f"{name:12s} {m['layers_on_gpu']:>7s} {m['decode_tok_s']:13.1f} {m['prompt_tok_s']:13.1f} "
               f"{m['bytes_moved_per_token']:12.0f} {m['copy_ms_per_token']:12.4f} {m['copy_share']:11.2%}")
-    print("\nbytes/token, copy ms/tok and copy share are for the decode steps (one token each); copy share is "
-          "copy time over decode time")
+    print("\nbytes/token, copy ms/tok and copy share are for the decode steps (one token each): activations "
+          "crossing device boundaries plus, when the output layer is offloaded, the logits (n_vocab x 4 bytes) "
+          "coming back to the host; copy share is copy time over decode time")
 
 
 if __name__ == "__main__":

@@ -254,7 +254,7 @@ def _print_perf(ctx, gen, load_ms: float, verbose: bool = False) -> None:
     total = load_ms + perf.t_p_eval_ms + perf.t_eval_ms + gen.t_sample_ms
     lines.append(f"{name}:       total time = {total:10.2f} ms / {perf.n_p_eval + perf.n_eval:5d} tokens")
     if ctx.placement.gpus_present:
-        # not a llama.cpp line: the activation traffic between devices that offloading costs
+        # not a llama.cpp line: the traffic between devices that offloading costs (activations, logits)
         lines.append(f"kvscope_perf_print: device transfers = {perf.bytes_moved / 2 ** 20:10.2f} MiB / "
                      f"{perf.n_tokens_computed:5d} tokens ({perf.bytes_moved_per_token:8.0f} bytes per token, "
                      f"{perf.copy_ms:8.2f} ms copying)")

@@ -101,7 +101,7 @@ class ContextParams:
 
 @dataclass
 class PerfCounters:
-    """llama.cpp's llama_perf_context numbers, plus the activation bytes moved between devices."""
+    """llama.cpp's llama_perf_context numbers, plus the bytes copied between devices."""
 
     t_p_eval_ms: float = 0.0
     n_p_eval: int = 0
@@ -109,7 +109,7 @@ class PerfCounters:
     n_eval: int = 0
     n_decode: int = 0
     ubatch_ms: list[float] = field(default_factory=list)
-    bytes_moved: int = 0  # activations copied across device boundaries (layer -> layer, last layer -> output)
+    bytes_moved: int = 0  # copied across device boundaries: activations, and logits to the host
     n_tokens_computed: int = 0  # tokens through the model, for the per-token average
     copy_ms: float = 0.0  # time spent on those copies
 

@@ -143,12 +143,14 @@ def test_weights_and_kv_live_on_the_device_the_plan_names(model, ngl):
 
 # ---- activation traffic ---------------------------------------------------------------------------------
 def expected_bytes_moved(model, placement, n_tokens: int, n_outputs: int) -> int:
-    """Each token's activation crosses every boundary between consecutive layers' devices (the input
-    embedding is on the CPU); only the output rows cross into the output layer's device."""
+    """Every token's activation crosses each boundary between consecutive layers' devices (the input
+    embedding is on the CPU); only the output rows cross into the output layer's device, and their
+    logits (float32) back to the host when that device is not the CPU."""
     stages = ["CPU"] + [d.name for d in placement.layer_devices]
     layer_crossings = sum(a != b for a, b in itertools.pairwise(stages))
     output_crossing = int(placement.output_device.name != stages[-1])
-    return (layer_crossings * n_tokens + output_crossing * n_outputs) * model.config.n_embd * F32
+    logits_to_host = int(placement.output_device.name != "CPU") * n_outputs * model.config.n_vocab * F32
+    return (layer_crossings * n_tokens + output_crossing * n_outputs) * model.config.n_embd * F32 + logits_to_host
 
 
 @pytest.mark.parametrize("ngl", [0, 1, "half", -1])

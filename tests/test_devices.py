@@ -361,12 +361,13 @@ def expected_weight_bytes(model, placement) -> dict[str, int]:
 
 def expected_bytes_moved(model, placement, n_tokens: int, n_outputs: int) -> int:
     """Every token's activation crosses each boundary between consecutive layers' devices (the input
-    embedding is on the CPU); only the output rows cross into the output layer's device."""
+    embedding is on the CPU); only the output rows cross into the output layer's device, and their
+    logits (float32) back to the host when that device is not the CPU."""
     stages = ["CPU"] + [d.name for d in placement.layer_devices]
     layer_crossings = sum(a != b for a, b in itertools.pairwise(stages))
     output_crossing = int(placement.output_device.name != stages[-1])
-    row = model.config.n_embd * F32
-    return (layer_crossings * n_tokens + output_crossing * n_outputs) * row
+    logits_to_host = int(placement.output_device.name != "CPU") * n_outputs * model.config.n_vocab * F32
+    return (layer_crossings * n_tokens + output_crossing * n_outputs) * model.config.n_embd * F32 + logits_to_host
 
 
 def test_each_device_reserves_its_layer_weights_and_kv(model4):
@@ -423,14 +424,15 @@ def test_bytes_moved_per_token_follow_the_plan(model4, ngl, split):
 
 def test_half_offload_moves_one_activation_row_per_token_and_two_gpus_two(model4):
     n_embd = model4.config.n_embd
+    logits = model4.config.n_vocab * F32 / len(PROMPT)  # one output row's logits back to the host
     ctx = engine.Context(model4, n_ctx=256, devices=["VGPU0=1GiB"], n_gpu_layers=2)  # layer 3 + output on the GPU
     ctx.decode(Batch.for_sequence(PROMPT, seq_id=0, start_pos=0))
-    assert ctx.perf.bytes_moved_per_token == 1 * n_embd * F32  # CPU -> VGPU0 before layer 3
+    assert ctx.perf.bytes_moved_per_token == 1 * n_embd * F32 + logits  # CPU -> VGPU0 before layer 3
     del ctx
     ctx = engine.Context(model4, n_ctx=256, devices=["VGPU0=1GiB", "VGPU1=1GiB"], n_gpu_layers=-1,
                          tensor_split=[1, 1])
     ctx.decode(Batch.for_sequence(PROMPT, seq_id=0, start_pos=0))
-    assert ctx.perf.bytes_moved_per_token == 2 * n_embd * F32  # CPU -> VGPU0 at layer 0, VGPU0 -> VGPU1 at 3
+    assert ctx.perf.bytes_moved_per_token == 2 * n_embd * F32 + logits  # CPU -> VGPU0 at 0, VGPU0 -> VGPU1 at 3
 
 
 @pytest.mark.parametrize("ngl", [2, 4, -1])
@@ -474,7 +476,8 @@ def test_tied_output_embedding_counts_on_the_output_device_and_input_stays_on_th
     assert gpu not in ctx.kv_bytes_by_device  # no layer's K/V there: only the output layer
     ctx.decode(Batch.for_sequence(PROMPT, seq_id=0, start_pos=0, all_logits=True))
     assert torch.equal(ctx.all_logits(), reference)
-    assert ctx.perf.bytes_moved == len(PROMPT) * model.config.n_embd * F32  # every row is an output here
+    # every row is an output here: each crosses to VGPU0 and its logits come back
+    assert ctx.perf.bytes_moved == len(PROMPT) * (model.config.n_embd + model.config.n_vocab) * F32
 
 
 def test_kv_cache_logs_each_layers_device_or_filtered_at_debug(caplog):

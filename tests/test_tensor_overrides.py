@@ -106,8 +106,8 @@ def test_ffn_down_on_the_cpu_costs_two_copies_per_layer_and_changes_no_logit(mod
     assert torch.equal(prefill, ref_prefill) and torch.equal(step, ref_step)
     cfg = model.config
     # per token: CPU -> VGPU0 before layer 0, then in every layer the MLP's hidden state to the CPU and
-    # ffn_down's output back; the output layer is on VGPU0 like the last layer
-    per_token = (cfg.n_embd + N_LAYER * (cfg.n_ff + cfg.n_embd)) * F32
+    # ffn_down's output back; the output layer is on VGPU0 like the last layer, its logits go to the host
+    per_token = (cfg.n_embd + N_LAYER * (cfg.n_ff + cfg.n_embd) + cfg.n_vocab) * F32
     assert ctx.perf.bytes_moved == per_token * (len(PROMPT) + 1)
     # the bytes follow the tensors: ffn_down weights on the CPU, the rest of the layers on VGPU0
     down = cfg.n_ff * cfg.n_embd * F32
@@ -127,7 +127,7 @@ def test_nkvo_runs_attention_where_the_cache_is(model, gpu):
     assert torch.equal(prefill, ref_prefill) and torch.equal(step, ref_step)
     cfg = model.config
     q, kv = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
-    per_token = (cfg.n_embd + N_LAYER * (q + 2 * kv + q)) * F32
+    per_token = (cfg.n_embd + N_LAYER * (q + 2 * kv + q) + cfg.n_vocab) * F32
     assert ctx.perf.bytes_moved == per_token * (len(PROMPT) + 1)
 
 

@@ -22,7 +22,7 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from engine.devices import Device
+from engine.devices import CPU, Device
 from engine.models.config import ModelConfig
 from engine.rope import Rotary
 from engine.weight_devices import BIAS_OF, LayerDevices, WeightDevices, all_on_cpu
@@ -184,7 +184,7 @@ class Transformer:
         self.output_embd = self.tok_embd if self.lm_head_t is None else None
         # Placement (engine.weight_devices): everything on the CPU until place() is called.
         self.weight_devices: WeightDevices = all_on_cpu(config)
-        self.bytes_moved = 0  # activation bytes moved between devices, ever; contexts read differences
+        self.bytes_moved = 0  # bytes copied between devices, ever (activations, logits); contexts read differences
         self.copy_seconds = 0.0  # wall time of those moves, ever (CUDA copies synchronised to be timed)
 
     # ---- placement (spec section 12) ----------------------------------------------------------------
@@ -341,7 +341,9 @@ class Transformer:
         x = self._norm(to(x, at, wd.output_norm), self.norm, cfg.rms_norm_eps)
         x = to(x, wd.output_norm, wd.output)
         logits = F.linear(x, self.output_embd) if self.lm_head_t is None else project(x, self.lm_head_t)
-        logits = logits.float().cpu()  # a no-op on the CPU; logits are read on the host
+        # logits are read on the host: from an offloaded output layer that is one more crossing, and
+        # with a large vocabulary the largest one per token
+        logits = self._to(logits.float(), wd.output, CPU)
         if cfg.final_softcap:
             logits = softcap(logits, cfg.final_softcap)
         return logits
