@@ -19,7 +19,6 @@ FLAG = re.compile(r"(?<![\w-])(--?[a-zA-Z][\w-]*)")
 ENV = re.compile(r"`(LLAMA_[A-Z_]+)`")
 
 
-
 def sections() -> dict[str, str]:
     """'## ' heading -> its text."""
     parts = re.split(r"^## ", DOC.read_text(encoding="utf-8"), flags=re.M)
