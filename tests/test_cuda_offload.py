@@ -5,7 +5,6 @@ free-memory check reads the driver. Without CUDA every test here is skipped, wit
 from __future__ import annotations
 
 import gc
-import itertools
 import re
 
 import pytest
@@ -16,6 +15,9 @@ from engine.batch import Batch
 from engine.errors import KvscopeError
 from engine.estimate import estimate
 from tests.model_factory import in_memory_model
+from tests.test_devices import (
+    expected_bytes_moved,  # the same plan, counted the same way
+)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -142,17 +144,6 @@ def test_weights_and_kv_live_on_the_device_the_plan_names(model, ngl):
 
 
 # ---- activation traffic ---------------------------------------------------------------------------------
-def expected_bytes_moved(model, placement, n_tokens: int, n_outputs: int) -> int:
-    """Every token's activation crosses each boundary between consecutive layers' devices (the input
-    embedding is on the CPU); only the output rows cross into the output layer's device, and their
-    logits (float32) back to the host when that device is not the CPU."""
-    stages = ["CPU"] + [d.name for d in placement.layer_devices]
-    layer_crossings = sum(a != b for a, b in itertools.pairwise(stages))
-    output_crossing = int(placement.output_device.name != stages[-1])
-    logits_to_host = int(placement.output_device.name != "CPU") * n_outputs * model.config.n_vocab * F32
-    return (layer_crossings * n_tokens + output_crossing * n_outputs) * model.config.n_embd * F32 + logits_to_host
-
-
 @pytest.mark.parametrize("ngl", [0, 1, "half", -1])
 def test_bytes_moved_per_token_follow_the_plan(model, ngl):
     n_gpu_layers = half(model) if ngl == "half" else ngl
