@@ -142,7 +142,8 @@ class ContextDevices:
             output_device=placement.output_device.name,
             weight_bytes=tuple((d.name, n) for d, n in self.model_bytes.items()),
             shared=self.shares_weights,
-            overridden=tuple((name, d.name) for name, d in self.weight_devices.overridden)))
+            overridden=tuple((name, d.name) for name, d in self.weight_devices.overridden),
+            kv_devices=tuple(d.name for d in placement.kv_devices)))
 
     def publish_state(self, bus: ev.EventBus) -> None:
         """ModelPlaced and the absolute bytes per device, for a watcher that joins late."""

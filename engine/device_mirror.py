@@ -60,3 +60,24 @@ class DeviceMirror:
     def layer_devices(self) -> tuple[str, ...]:
         """Each layer's device name (empty until a ModelPlaced arrived)."""
         return self.placement.layer_devices if self.placement else ()
+
+    def layer_map(self) -> list[LayerPlacement]:
+        """One row per layer for a layer/device map: where its weights and its K/V live, and which of
+        its weights an -ot pattern sent elsewhere (empty until a ModelPlaced arrived)."""
+        p = self.placement
+        if p is None:
+            return []
+        moved: dict[int, list[tuple[str, str]]] = {}
+        for name, device in p.overridden:
+            if name.startswith("blk."):
+                moved.setdefault(int(name.split(".")[1]), []).append((name, device))
+        kv = p.kv_devices or p.layer_devices
+        return [LayerPlacement(il, dev, kv[il], tuple(moved.get(il, ()))) for il, dev in enumerate(p.layer_devices)]
+
+
+@dataclass(frozen=True)
+class LayerPlacement:
+    layer: int
+    device: str  # the layer's device from -ngl
+    kv_device: str
+    overridden: tuple[tuple[str, str], ...]  # (tensor name, device) of its weights placed elsewhere

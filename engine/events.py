@@ -185,8 +185,8 @@ class ContextCreated(Event):
 class ModelPlaced(Event):
     """Where a context's model weights live (spec section 12). weight_bytes: (device name, bytes) per
     device holding any weight, the input embedding included. layer_devices: each layer's device from
-    -ngl (its residual stream and K/V); overridden: (llama.cpp tensor name, device name) for weights
-    an -ot pattern sent elsewhere. shared: the weights were already placed so by a live context."""
+    -ngl (its residual stream and, unless -nkvo, K/V); overridden: (llama.cpp tensor name, device
+    name) for weights an -ot pattern sent elsewhere. shared: the weights were already placed so by a live context."""
 
     model_name: str
     layer_devices: tuple[str, ...]
@@ -194,6 +194,7 @@ class ModelPlaced(Event):
     weight_bytes: tuple[tuple[str, int], ...]
     shared: bool = False
     overridden: tuple[tuple[str, str], ...] = ()
+    kv_devices: tuple[str, ...] = ()  # each layer's K/V device (the CPU for every layer with -nkvo)
 
 
 @dataclass(frozen=True, eq=False)

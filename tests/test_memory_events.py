@@ -124,3 +124,19 @@ def test_a_context_sharing_the_weights_shows_them_on_its_own_bus():
     assert watcher.devices.rows["VGPU0"].reserved == gpu.reserved_bytes()  # both contexts together
     del first, second
     gc.collect()
+
+
+def test_layer_map_from_events_shows_weights_kv_and_overrides():
+    model = engine.load_model("demo")
+    bus = ev.EventBus()
+    mirror = engine.CacheMirror()
+    mirror.attach(bus)
+    ctx = engine.Context(model, n_ctx=256, n_gpu_layers=3, devices=["VGPU0=256MiB"], offload_kqv=False,
+                         tensor_overrides=[r"blk\.5\.ffn_down=CPU"], bus=bus)
+    mirror.sync()
+    rows = mirror.devices.layer_map()
+    assert [(r.layer, r.device, r.kv_device) for r in rows] == [
+        (0, "CPU", "CPU"), (1, "CPU", "CPU"), (2, "CPU", "CPU"), (3, "CPU", "CPU"),
+        (4, "VGPU0", "CPU"), (5, "VGPU0", "CPU")]  # -ngl 3: layers 4, 5 and the output; -nkvo: K/V on the CPU
+    assert rows[5].overridden == (("blk.5.ffn_down.weight", "CPU"),) and rows[4].overridden == ()
+    assert [d.name for d in ctx.placement.layer_devices] == [r.device for r in rows]
