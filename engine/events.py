@@ -347,10 +347,13 @@ class EventBus:
 
     def __init__(self) -> None:
         # Reentrant: memory released by a garbage-collection finalizer is published, and collection
-        # can run on a thread that is inside publish() already.
+        # can run on a thread that is inside publish() already. Such an event waits in _pending until
+        # the one being delivered has reached every subscriber, so that all see seq_no order.
         self._lock = threading.RLock()
         self._subs: tuple[Subscription, ...] = ()
         self._next_seq_no = 0
+        self._delivering = False
+        self._pending: list[Event] = []
 
     @property
     def active(self) -> bool:
@@ -393,9 +396,21 @@ class EventBus:
 
     def publish(self, event: Event) -> None:
         with self._lock:
-            object.__setattr__(event, "seq_no", self._next_seq_no)
-            object.__setattr__(event, "time", time.monotonic())
-            self._next_seq_no += 1
-            # Offering under the bus lock keeps every queue in seq_no order; _offer never blocks.
-            for sub in self._subs:
-                sub._offer(event)
+            if self._delivering:  # re-entered on this thread, from a finalizer inside the delivery below
+                self._pending.append(event)
+                return
+            self._delivering = True
+            try:
+                self._deliver(event)
+                while self._pending:
+                    self._deliver(self._pending.pop(0))
+            finally:
+                self._delivering = False
+
+    def _deliver(self, event: Event) -> None:
+        object.__setattr__(event, "seq_no", self._next_seq_no)
+        object.__setattr__(event, "time", time.monotonic())
+        self._next_seq_no += 1
+        # Offering under the bus lock keeps every queue in seq_no order; _offer never blocks.
+        for sub in self._subs:
+            sub._offer(event)

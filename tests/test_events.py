@@ -431,3 +431,24 @@ def test_subscriber_joining_mid_operation_never_sees_none_changes():
     for e in joined[0].drain():
         if isinstance(e, ev.CellsChanged):
             assert all(ch is not None for ch in e.changes), e
+
+
+def test_an_event_published_during_a_delivery_waits_for_it():
+    """Garbage collection can run a finalizer (which publishes a memory release) in the middle of a
+    delivery; every subscriber must still see the events in seq_no order."""
+    bus = engine.EventBus()
+    first, second = bus.subscribe(), bus.subscribe()
+    offer = first._offer
+    nested = ev.DeviceMemoryChanged(device="VGPU0", virtual=True, capacity=1, reserved=0, what="kv", delta=-1)
+
+    def offer_then_publish(event):  # as if collection ran a finalizer right here
+        offer(event)
+        if event is not nested:
+            bus.publish(nested)
+
+    first._offer = offer_then_publish
+    outer = ev.DecodeStarted(1, 1, (0,))
+    bus.publish(outer)
+    for sub in (first, second):
+        assert [e.seq_no for e in sub.drain()] == [0, 1]
+    assert (outer.seq_no, nested.seq_no) == (0, 1)
