@@ -19,10 +19,12 @@ from engine.batch import Batch, BatchAllocator, UBatch
 from engine.context_devices import ContextDevices
 from engine.devices import Device
 from engine.errors import BatchTooLargeError, ContextParamsError, InvalidBatchError
+from engine.kv import state_files
 from engine.kv.cells import MAX_SEQ
 from engine.kv.factory import build_memory
 from engine.kv.memory import Memory
 from engine.kv.slot_debug import level_from_env
+from engine.kv.state import caches_of
 from engine.kv.types import cache_type
 from engine.memory_breakdown import MemoryBreakdown
 from engine.models.model import Model
@@ -382,8 +384,7 @@ class Context:
     # ---- state save/restore (llama.h llama_state_*; format and failure rules: engine/kv/state.py) ----
     def state_get_data(self) -> bytes:
         """llama_state_get_data: the model arch and the state of the whole memory."""
-        from engine.kv import state
-        return state.context_state_bytes(self.model.config.arch, state.caches_of(self.memory))
+        return state_files.context_state_bytes(self.model.config.arch, caches_of(self.memory))
 
     def state_get_size(self) -> int:
         return len(self.state_get_data())
@@ -391,13 +392,11 @@ class Context:
     def state_set_data(self, data: bytes) -> int:
         """llama_state_set_data: replace the whole memory; returns the bytes read. Raises
         engine.kv.state.StateFileError (the memory then is as spec section 13 says)."""
-        from engine.kv import state
-        return state.restore_context_state(self.model.config.arch, state.caches_of(self.memory), data)
+        return state_files.restore_context_state(self.model.config.arch, caches_of(self.memory), data)
 
     def state_seq_get_data(self, seq_id: int, flags: int = 0) -> bytes:
         """llama_state_seq_get_data(_ext): the state of one sequence (flags: STATE_SEQ_FLAGS_*)."""
-        from engine.kv import state
-        return state.seq_state_bytes(state.caches_of(self.memory, flags), seq_id)
+        return state_files.seq_state_bytes(caches_of(self.memory, flags), seq_id)
 
     def state_seq_get_size(self, seq_id: int, flags: int = 0) -> int:
         return len(self.state_seq_get_data(seq_id, flags))
@@ -405,26 +404,21 @@ class Context:
     def state_seq_set_data(self, data: bytes, dest_seq_id: int, flags: int = 0) -> int:
         """llama_state_seq_set_data(_ext): load a sequence state into dest_seq_id (the saved id is
         ignored); returns the bytes read."""
-        from engine.kv import state
-        return state.restore_seq_state(state.caches_of(self.memory, flags), data, dest_seq_id)
+        return state_files.restore_seq_state(caches_of(self.memory, flags), data, dest_seq_id)
 
     def state_save_file(self, path, tokens) -> int:
         """llama_state_save_file ('ggsn' session file with the tokens); returns the file size."""
-        from engine.kv import state
-        return state.save_session_file(path, self.model.config.arch, state.caches_of(self.memory), tokens)
+        return state_files.save_session_file(path, self.model.config.arch, caches_of(self.memory), tokens)
 
     def state_load_file(self, path, n_token_capacity: int | None = None) -> list[int]:
         """llama_state_load_file: restore the whole memory; returns the saved tokens."""
-        from engine.kv import state
-        return state.load_session_file(path, self.model.config.arch, state.caches_of(self.memory),
+        return state_files.load_session_file(path, self.model.config.arch, caches_of(self.memory),
                                        n_token_capacity)
 
     def state_seq_save_file(self, path, seq_id: int, tokens) -> int:
         """llama_state_seq_save_file ('ggsq' file with the tokens); returns the file size."""
-        from engine.kv import state
-        return state.save_seq_file(path, state.caches_of(self.memory), seq_id, tokens)
+        return state_files.save_seq_file(path, caches_of(self.memory), seq_id, tokens)
 
     def state_seq_load_file(self, path, dest_seq_id: int, n_token_capacity: int | None = None) -> list[int]:
         """llama_state_seq_load_file: restore a sequence into dest_seq_id; returns the saved tokens."""
-        from engine.kv import state
-        return state.load_seq_file(path, state.caches_of(self.memory), dest_seq_id, n_token_capacity)
+        return state_files.load_seq_file(path, caches_of(self.memory), dest_seq_id, n_token_capacity)
