@@ -175,7 +175,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_parallel(args: argparse.Namespace) -> int:
     import engine
-    from engine.parallel import DEFAULT_SYSTEM_PROMPT, ParallelRunner, make_schedule
+    from engine.parallel import DEFAULT_SYSTEM_PROMPT, ParallelRunner
+    from engine.parallel_workload import make_schedule
 
     if args.parallel < 1:
         raise KvscopeError(f"-np must be >= 1, got {args.parallel}")

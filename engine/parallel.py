@@ -36,198 +36,33 @@ With no seed a random one is drawn per run (`ParallelRunner.seed`).
 from __future__ import annotations
 
 import logging
-import random
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from engine import events as ev
 from engine.batch import Batch
 from engine.context import Context
 from engine.errors import KvscopeError
+from engine.parallel_records import (
+    ClientState,
+    DecodeCall,
+    RequestResult,
+    RunSummary,
+    StepInfo,
+)
+from engine.parallel_workload import Request, format_prompt, make_schedule
 from engine.sampling import Sampler, SamplerParams
 
 log = logging.getLogger("kvscope.parallel")
-
-SCHEDULE_SEED = 1234  # llama-parallel calls srand(1234) before drawing its prompts
 
 DEFAULT_SYSTEM_PROMPT = (
     "A conversation between a curious User and a friendly Assistant. The Assistant answers every "
     "question briefly, clearly and politely.\n\n"
 )
 
-QUESTIONS: tuple[str, ...] = (
-    "Why is the sky blue?",
-    "How do bees make honey?",
-    "What is the best way to learn a new language?",
-    "Can you explain how a lighthouse helps ships at night?",
-    "What should I cook for dinner tonight?",
-    "Why do we have seasons?",
-    "How far away is the moon?",
-    "What makes bread rise in the oven?",
-    "Could you recommend a good book about the sea, and tell me why you like it?",
-    "How does a train stay on its tracks?",
-    "What is a simple recipe for vegetable soup?",
-    "Why do cats purr?",
-    "How old is the oldest tree in the world?",
-    "What is the difference between weather and climate?",
-    "If you could visit any city in the world, which one would it be and why?",
-    "How do I keep a small garden alive in a dry summer?",
-)
-
 CONTEXT_EXCEEDED = "Context size has been exceeded."
-
-
-def format_prompt(question: str) -> str:
-    """A client's prompt after the system prompt, as llama-parallel builds it."""
-    return f"User:\n{question}\nAssistant:\n"
-
-
-@dataclass(frozen=True)
-class Request:
-    """One simulated request. `id` is its index in the schedule (llama-parallel's seq counter)."""
-
-    id: int
-    question: str
-    n_predict: int
-    arrival_step: int = 0
-
-
-def make_schedule(n_sequences: int, *, seed: int | None = None, n_predict: int = 64, n_predict_min: int | None = None,
-                  arrival_gap: int = 2, questions: Sequence[str] = QUESTIONS) -> list[Request]:
-    """A deterministic list of requests: question drawn from `questions`, token budget uniform in
-    [n_predict_min, n_predict] (default min: n_predict // 4, at least 1), and arrival steps whose gaps
-    are uniform in [0, 2 * arrival_gap] (arrival_gap 0: everything arrives at step 0, as in
-    llama-parallel). seed None -> 1234."""
-    if n_sequences < 0:
-        raise KvscopeError(f"n_sequences must be >= 0, got {n_sequences}")
-    if n_predict < 1:
-        raise KvscopeError(f"n_predict must be >= 1, got {n_predict}")
-    if arrival_gap < 0:
-        raise KvscopeError(f"arrival_gap must be >= 0, got {arrival_gap}")
-    if not questions:
-        raise KvscopeError("the question list is empty")
-    lo = max(1, n_predict // 4) if n_predict_min is None else max(1, min(n_predict_min, n_predict))
-    rng = random.Random(SCHEDULE_SEED if seed is None else seed)
-    requests, step = [], 0
-    for i in range(n_sequences):
-        if i > 0:
-            step += rng.randint(0, 2 * arrival_gap)
-        requests.append(Request(i, rng.choice(list(questions)), rng.randint(lo, n_predict), step))
-    return requests
-
-
-@dataclass
-class RequestResult:
-    """What happened to one request."""
-
-    request: Request
-    client: int
-    seq_id: int
-    prompt_tokens: list[int]  # the tokens this request decodes (without the shared system prompt)
-    n_past_start: int  # position of its first prompt token
-    tokens: list[int] = field(default_factory=list)  # sampled tokens (an eog token included)
-    text: str = ""
-    stop_reason: str = ""  # "eog", "length", "stop_word", "error", "aborted"
-    error: str = ""
-    admitted_step: int = -1
-    finished_step: int = -1
-    t_admitted: float = 0.0
-    t_first_token: float = 0.0
-    t_finished: float = 0.0
-    cache_misses: int = 0  # halvings of n_batch while this request was in a batch
-
-    @property
-    def ok(self) -> bool:
-        return self.stop_reason in ("eog", "length", "stop_word")
-
-    @property
-    def n_prompt(self) -> int:
-        return len(self.prompt_tokens)
-
-    @property
-    def n_decoded(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def time_s(self) -> float:
-        return max(self.t_finished - self.t_admitted, 0.0)
-
-    @property
-    def speed(self) -> float:
-        """(prompt + response tokens) per second, as llama-parallel prints it."""
-        return (self.n_prompt + self.n_decoded) / self.time_s if self.time_s > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class DecodeCall:
-    """One llama_decode of a step: tokens [offset, offset + n_tokens) of the step's batch."""
-
-    offset: int
-    n_tokens: int
-    n_batch: int  # the batch size in force for this try
-    rc: int
-
-
-@dataclass(frozen=True)
-class ClientState:
-    client: int
-    seq_id: int
-    request_id: int  # -1 when idle
-    state: str  # "idle", "prompt" (still reading its prompt) or "generating"
-    n_past: int  # next position of its sequence
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    """What one step did, for front-ends driving the run live."""
-
-    step: int
-    phase: str  # "system" (the shared system prompt) or "batch"
-    admitted: tuple[tuple[int, int], ...]  # (request id, client)
-    finished: tuple[RequestResult, ...]  # ended in this step (failed ones included)
-    n_tokens: int  # tokens in the step's batch
-    n_prompt_tokens: int
-    n_gen_tokens: int
-    decodes: tuple[DecodeCall, ...]
-    rc: int  # return code of the step's last decode (0, or 1 when its last piece failed even alone)
-    n_batch: int  # the smallest batch size used in this step
-    cache_misses: int  # halvings in this step
-    sampled: tuple[tuple[int, int, int, str], ...]  # (client, request id, token, piece)
-    clients: tuple[ClientState, ...]
-    n_waiting: int  # arrived requests without a client
-    n_pending: int  # requests not arrived yet
-    kv_used: int  # used cells, all streams
-    ms: float
-
-
-@dataclass(frozen=True)
-class RunSummary:
-    n_clients: int
-    n_sequences: int
-    n_system_tokens: int
-    n_prompt_total: int  # prompt tokens of finished requests (llama-parallel's "Total prompt tokens")
-    n_gen_total: int
-    n_failed: int
-    cache_misses: int
-    t_total_s: float
-
-    def lines(self, model_path: str = "") -> list[str]:
-        t = self.t_total_s if self.t_total_s > 0 else float("inf")
-        out = [f"main: n_parallel = {self.n_clients}, n_sequences = {self.n_sequences}, cont_batching = 1, "
-               f"system tokens = {self.n_system_tokens}"]
-        if model_path:
-            out.append(f"Model and path used:  {model_path}")
-        out += [
-            f"Total prompt tokens: {self.n_prompt_total:6d}, speed: {self.n_prompt_total / t:5.2f} t/s",
-            f"Total gen tokens:    {self.n_gen_total:6d}, speed: {self.n_gen_total / t:5.2f} t/s",
-            f"Total speed (AVG):   {'':6s}  speed: {(self.n_prompt_total + self.n_gen_total) / t:5.2f} t/s",
-            f"Cache misses:        {self.cache_misses:6d}",
-        ]
-        if self.n_failed:
-            out.append(f"Failed requests:     {self.n_failed:6d}")
-        return out
 
 
 @dataclass
