@@ -129,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--json", action="store_true", help="print the estimate as JSON")
     est.add_argument("--fit", action="store_true",
                      help="propose the largest -ngl, then the largest -c, that fit the devices (-ngl is ignored)")
+    est.add_argument("-fitt", "--fit-target", type=int, default=0, metavar="MiB",
+                     help="with --fit: MiB to leave free on every GPU (default 0; llama.cpp's is 1024)")
+    est.add_argument("-fitc", "--fit-ctx", type=int, default=0, metavar="N",
+                     help="with --fit: the smallest context it may propose; layers are fitted at this context")
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random llama (HF folder and GGUF) for demos")
     tiny.add_argument("folder")
     return parser
@@ -271,7 +275,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from engine.estimate import estimate, fit, format_table
 
     kwargs = _context_kwargs(args)
-    est = (fit if args.fit else estimate)(args.model, dtype=args.dtype, **kwargs)
+    if args.fit:
+        est = fit(args.model, dtype=args.dtype, fit_target=args.fit_target << 20, fit_ctx_min=args.fit_ctx, **kwargs)
+    else:
+        est = estimate(args.model, dtype=args.dtype, **kwargs)
     if args.fit and not args.json:
         print(f"proposed: -ngl {est.placement.n_gpu_layers} -c {est.params.n_ctx}")
     print(json.dumps(est.to_dict(), indent=2) if args.json else format_table(est))

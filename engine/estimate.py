@@ -167,33 +167,47 @@ def _estimate(cfg: ModelConfig, name: str, gpus: Sequence[Device], dtype: str, *
     return Estimate(name, cfg, params, placement, dtype, rows)
 
 
-def fit(path: str | Path = "demo", *, dtype: str = "f32", **settings) -> Estimate:
-    """The estimate with the largest n_gpu_layers that fits the devices at the requested n_ctx, then
-    the largest n_ctx (a multiple of pad, at most n_ctx_train or the request if larger) that fits with
-    those layers. The requested n_gpu_layers is ignored. Raises when even n_ctx = pad does not fit."""
+def fit(path: str | Path = "demo", *, dtype: str = "f32", fit_target: int = 0, fit_ctx_min: int = 0,
+        **settings) -> Estimate:
+    """The estimate with the largest n_gpu_layers that fits the devices at n_ctx = fit_ctx_min (when
+    given; else the requested n_ctx), then the largest n_ctx (a multiple of pad, at least
+    fit_ctx_min, at most n_ctx_train or the request if larger) that fits with those layers: what
+    llama.cpp's --fit, -fitc and -fitt decide. fit_target: bytes to leave free on every GPU (llama.cpp's
+    default is 1 GiB; kvscope's is 0, as virtual devices are small). The requested n_gpu_layers is
+    ignored. Raises when even the smallest context does not fit."""
     from engine.errors import ContextParamsError
 
+    if fit_target < 0 or fit_ctx_min < 0:
+        raise ContextParamsError(f"fit_target and fit_ctx_min must be >= 0, got {fit_target} and {fit_ctx_min}")
     cfg, name, gpus = _read_target(path, dtype, settings)
     settings.pop("n_gpu_layers", None)
     settings["n_ctx"] = context_size(settings.pop("n_ctx", None), settings.pop("kvsize", None))
+    pad = settings.get("pad", 256)
 
     def run(**overrides) -> Estimate:
         return _estimate(cfg, name, gpus, dtype, **{**settings, **overrides})
 
+    def fits(est: Estimate) -> bool:
+        return all(d.free is None or d.total_bytes + (fit_target if d.device != "CPU" else 0) <= d.free
+                   for d in est.devices)
+
+    layers_at = {"n_ctx": fit_ctx_min} if fit_ctx_min else {}
     # fitting is not monotone in the layer count under a split by free memory, so try each, largest first
-    ngl = next((n for n in range(cfg.n_layer + 1, 0, -1) if gpus and run(n_gpu_layers=n).fits), 0)
-    pad = settings.get("pad", 256)
-    steps = max(settings.get("n_ctx", 0) or cfg.n_ctx_train, cfg.n_ctx_train) // pad
-    lo, hi = 0, max(1, steps)  # largest k in [1, hi] with n_ctx = k * pad fitting (KV grows with n_ctx)
+    ngl = next((n for n in range(cfg.n_layer + 1, 0, -1) if gpus and fits(run(n_gpu_layers=n, **layers_at))), 0)
+    k_min = max(1, -(-fit_ctx_min // pad))
+    steps = max(settings.get("n_ctx", 0) or cfg.n_ctx_train, cfg.n_ctx_train, k_min * pad) // pad
+    if not fits(run(n_gpu_layers=ngl, n_ctx=k_min * pad)):
+        raise ContextParamsError(
+            f"nothing fits: even n_ctx = {k_min * pad} with n_gpu_layers = {ngl} exceeds a device"
+            + (f" (keeping {fit_target} bytes free on each GPU)" if fit_target else "")
+            + "; use a quantized cache type, fewer sequences, a smaller fit_ctx_min or larger devices")
+    lo, hi = k_min, steps  # the largest k in [k_min, hi] with n_ctx = k * pad fitting (KV grows with n_ctx)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if run(n_gpu_layers=ngl, n_ctx=mid * pad).fits:
+        if fits(run(n_gpu_layers=ngl, n_ctx=mid * pad)):
             lo = mid
         else:
             hi = mid - 1
-    if lo == 0:
-        raise ContextParamsError(f"nothing fits: even n_ctx = {pad} with n_gpu_layers = {ngl} exceeds a device; "
-                                 f"use a quantized cache type, fewer sequences or larger devices")
     return run(n_gpu_layers=ngl, n_ctx=lo * pad)
 
 

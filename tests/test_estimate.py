@@ -143,3 +143,32 @@ def test_cli_estimate_fit(capsys):
     assert main(["estimate", "--fit", "-c", "256", "--virtual-gpu", "VGPU0=20MiB"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("proposed: -ngl ") and "VGPU0 (virtual)" in out
+
+
+def test_fit_leaves_the_target_free_on_every_gpu():
+    dev = ["VGPU0=64MiB"]
+    plain = fit("demo", n_ctx=256, devices=dev)
+    margin = 32 << 20
+    kept = fit("demo", n_ctx=256, devices=dev, fit_target=margin)
+    gpu = next(d for d in kept.devices if d.device == "VGPU0")
+    assert gpu.total_bytes + margin <= gpu.capacity
+    assert kept.placement.n_gpu_layers < plain.placement.n_gpu_layers
+    more = estimate("demo", n_ctx=kept.params.n_ctx, devices=dev, n_gpu_layers=kept.placement.n_gpu_layers + 1)
+    assert next(d for d in more.devices if d.device == "VGPU0").total_bytes + margin > gpu.capacity
+
+
+def test_fit_ctx_is_the_smallest_context_and_the_one_layers_are_fitted_at():
+    dev = ["VGPU0=24MiB"]
+    est = fit("demo", n_ctx=256, devices=dev, fit_ctx_min=768)
+    assert est.params.n_ctx >= 768 and est.fits
+    assert not estimate("demo", n_ctx=768, devices=dev, n_gpu_layers=est.placement.n_gpu_layers + 1).fits
+    # 2^27 cells of K/V are more than this host has: the floor is not lowered to make something fit
+    with pytest.raises(engine.ContextParamsError, match="nothing fits: even n_ctx = 134217728"):
+        fit("demo", devices=["VGPU0=1MiB"], fit_ctx_min=1 << 27)
+
+
+def test_cli_fit_target_and_fit_ctx(capsys):
+    assert main(["estimate", "--fit", "-fitt", "32", "-fitc", "512", "--virtual-gpu", "VGPU0=64MiB", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    gpu = next(d for d in data["devices"] if d["device"] == "VGPU0")
+    assert data["n_ctx"] >= 512 and gpu["total_bytes"] + (32 << 20) <= gpu["capacity"]
