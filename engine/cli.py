@@ -146,15 +146,22 @@ def _context_kwargs(args: argparse.Namespace) -> dict:
                 tensor_overrides=args.tensor_overrides, swa_window=args.swa_window)
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def _load_model(args: argparse.Namespace):
+    """(model, load time in ms), after the checks both generating commands share."""
     import engine
-    from engine.generate import Generator
 
     if args.parallel < 1:
         raise KvscopeError(f"-np must be >= 1, got {args.parallel}")
     t_load = time.perf_counter()
     model = engine.load_model(args.model, dtype=args.dtype)
-    load_ms = (time.perf_counter() - t_load) * 1e3
+    return model, (time.perf_counter() - t_load) * 1e3
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import engine
+    from engine.generate import Generator
+
+    model, load_ms = _load_model(args)
     ctx = engine.Context(model, **_context_kwargs(args))
     params = _sampler_params(args)
     gen = Generator(ctx, params, context_shift=args.context_shift, n_keep=args.keep)
@@ -182,13 +189,9 @@ def cmd_parallel(args: argparse.Namespace) -> int:
     from engine.parallel import DEFAULT_SYSTEM_PROMPT, ParallelRunner
     from engine.parallel_workload import make_schedule
 
-    if args.parallel < 1:
-        raise KvscopeError(f"-np must be >= 1, got {args.parallel}")
     if args.sequences < 0:
         raise KvscopeError(f"--sequences must be >= 0, got {args.sequences}")
-    t_load = time.perf_counter()
-    model = engine.load_model(args.model, dtype=args.dtype)
-    load_ms = (time.perf_counter() - t_load) * 1e3
+    model, load_ms = _load_model(args)
     kwargs = _context_kwargs(args)
     kwargs["n_seq_max"] = args.parallel + 1  # one sequence for the system prompt, as llama-parallel
     ctx = engine.Context(model, **kwargs)
