@@ -30,18 +30,13 @@ def compute_bytes_by_device(config: ModelConfig, wd: WeightDevices, n_ubatch: in
     q_width, kv_width = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
     peak: dict[Device, int] = {}
 
-    def phase(live: dict[Device, int]) -> None:
-        merged: dict[Device, int] = {}
-        for dev, nbytes in live.items():
-            merged[dev] = merged.get(dev, 0) + nbytes
-        for dev, nbytes in merged.items():
+    def phase(*live: tuple[Device, int]) -> None:
+        """(device, bytes) alive at once in one phase; several on one device add up."""
+        on_device: dict[Device, int] = {}
+        for dev, nbytes in live:
+            on_device[dev] = on_device.get(dev, 0) + nbytes
+        for dev, nbytes in on_device.items():
             peak[dev] = max(peak.get(dev, 0), nbytes)
-
-    def live(*pairs: tuple[Device, int]) -> dict[Device, int]:
-        out: dict[Device, int] = {}
-        for dev, nbytes in pairs:
-            out[dev] = out.get(dev, 0) + nbytes
-        return out
 
     residual = 3 * T * c.n_embd * s  # x, the normed input, the sum being formed
     for il, devs in enumerate(wd.layers):
@@ -52,16 +47,16 @@ def compute_bytes_by_device(config: ModelConfig, wd: WeightDevices, n_ubatch: in
             + T * n_kv * (1 + s)  # the boolean mask and its additive form
             + _scores_bytes(c, devs.kv, T, n_kv, s)
             + T * q_width * s)  # the attention output
-        phase(live((devs.residual, residual), (devs.wqkv, T * (q_width + 2 * kv_width) * s),
-                   (devs.kv, attention), (devs.wo, T * (q_width + c.n_embd) * s)))
-        phase(live((devs.residual, residual), (devs.ffn_norm, T * c.n_embd * s),
-                   (devs.w_gate_up, 4 * T * c.n_ff * s),  # gate|up, the activation, their product
-                   (devs.w_down, T * (c.n_ff + c.n_embd) * s)))
+        phase((devs.residual, residual), (devs.wqkv, T * (q_width + 2 * kv_width) * s),
+              (devs.kv, attention), (devs.wo, T * (q_width + c.n_embd) * s))
+        phase((devs.residual, residual), (devs.ffn_norm, T * c.n_embd * s),
+              (devs.w_gate_up, 4 * T * c.n_ff * s),  # gate|up, the activation, their product
+              (devs.w_down, T * (c.n_ff + c.n_embd) * s))
     logits = 2 * T * c.n_vocab * s  # the column blocks' product and its reshape into rows
     as_f32 = T * c.n_vocab * 4 if s != 4 else 0  # logits are handed out in float32
     host_copy = T * c.n_vocab * 4 if wd.output.torch_device.type != "cpu" else 0  # and read on the host
-    phase(live((wd.output_norm, 2 * T * c.n_embd * s), (wd.output, T * c.n_embd * s + logits + as_f32),
-               (CPU, host_copy)))
+    phase((wd.output_norm, 2 * T * c.n_embd * s), (wd.output, T * c.n_embd * s + logits + as_f32),
+          (CPU, host_copy))
     return peak
 
 

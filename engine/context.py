@@ -174,10 +174,9 @@ class Context:
             self.devices.undo()
             raise ContextParamsError(f"the KV cache could not be allocated ({e}); nothing was kept: use a smaller "
                                      f"n_ctx (-c) or a quantized cache type (-ctk/-ctv)") from e
-        self.init_log_lines = self._context_log_lines() + self.memory.init_log_lines()  # the info lines
-        records = ([(logging.INFO, line) for line in self._context_log_lines()] + self.memory.init_log_records()
-                   + [(logging.INFO, line) for line in self.memory_breakdown_lines()])
-        for level, line in records:
+        records = [(logging.INFO, line) for line in self._context_log_lines()] + self.memory.init_log_records()
+        self.init_log_lines = [line for level, line in records if level == logging.INFO]
+        for level, line in records + [(logging.INFO, line) for line in self.memory_breakdown_lines()]:
             log.log(level, "%s", line)
         self._logits: torch.Tensor | None = None
         self._output_batch_idx: np.ndarray = np.zeros(0, dtype=np.int64)

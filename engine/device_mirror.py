@@ -40,7 +40,7 @@ class DeviceMirror:
             # the weights the context uses, whether it placed them or shares another context's placement
             self.placement = event
             for name, nbytes in event.weight_bytes:
-                self.rows.setdefault(name, DeviceRow(name, virtual=False, capacity=None)).bytes["weights"] = nbytes
+                self._row(name, virtual=False, capacity=None).bytes["weights"] = nbytes
         elif isinstance(event, ev.DeviceMemoryChanged):
             row = self._row(event.device, event.virtual, event.capacity)
             if event.what != "weights" or event.delta < 0:  # placed weights were counted from ModelPlaced
@@ -52,10 +52,8 @@ class DeviceMirror:
                          for d in event.devices}
 
     def _row(self, name: str, virtual: bool, capacity: int | None) -> DeviceRow:
-        row = self.rows.get(name)
-        if row is None:
-            row = self.rows[name] = DeviceRow(name, virtual, capacity)
-        return row
+        """The device's row; a new one with these facts if none yet."""
+        return self.rows.setdefault(name, DeviceRow(name, virtual, capacity))
 
     def layer_devices(self) -> tuple[str, ...]:
         """Each layer's device name (empty until a ModelPlaced arrived)."""

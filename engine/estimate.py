@@ -47,7 +47,11 @@ class DeviceEstimate:
 
     @property
     def fits(self) -> bool:
-        return self.free is None or self.total_bytes <= self.free
+        return self.fits_keeping(0)
+
+    def fits_keeping(self, margin: int) -> bool:
+        """Fits with margin bytes left free (where the free memory is known)."""
+        return self.free is None or self.total_bytes + margin <= self.free
 
     @property
     def label(self) -> str:
@@ -187,9 +191,8 @@ def fit(path: str | Path = "demo", *, dtype: str = "f32", fit_target: int = 0, f
     def run(**overrides) -> Estimate:
         return _estimate(cfg, name, gpus, dtype, **{**settings, **overrides})
 
-    def fits(est: Estimate) -> bool:
-        return all(d.free is None or d.total_bytes + (fit_target if d.device != "CPU" else 0) <= d.free
-                   for d in est.devices)
+    def fits(est: Estimate) -> bool:  # the margin is for GPUs (llama.cpp's -fitt), not the host
+        return all(d.fits_keeping(fit_target if d.device != "CPU" else 0) for d in est.devices)
 
     layers_at = {"n_ctx": fit_ctx_min} if fit_ctx_min else {}
     # fitting is not monotone in the layer count under a split by free memory, so try each, largest first
