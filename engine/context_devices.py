@@ -90,8 +90,9 @@ class ContextDevices:
         cfg = self.model.config
         for line in self.placement.debug_log_lines([cfg.is_swa(il) for il in range(cfg.n_layer)]):
             log.debug("%s", line)
-        for line in self.weight_devices.override_log_lines(weight_tensor_sizes(cfg, self.model.transformer.dtype)):
-            log.debug("%s", line)
+        if self.weight_devices.overridden:  # sizing every tensor is only needed for these lines
+            for line in self.weight_devices.override_log_lines(weight_tensor_sizes(cfg, self.model.transformer.dtype)):
+                log.debug("%s", line)
         for line in self.placement.info_log_lines() + model_buffer_log_lines(self.model_bytes):
             log.info("%s", line)
 
