@@ -9,6 +9,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from engine.arguments import int_array, int_lists, output_flags
 from engine.errors import InvalidBatchError
 
 
@@ -21,6 +22,9 @@ class Batch:
     pos: Sequence[int] | None = None
     seq_ids: Sequence[Sequence[int]] | None = None
     logits: Sequence[bool] | None = None
+
+    def __post_init__(self) -> None:
+        _checked_fields(self)
 
     @classmethod
     def for_sequence(cls, tokens: Sequence[int], seq_id: int, start_pos: int, all_logits: bool = False) -> "Batch":
@@ -49,10 +53,6 @@ class UBatch:
     def n_tokens(self) -> int:
         return len(self.tokens)
 
-    @property
-    def n_seq_tokens(self) -> int:
-        return self.n_tokens // self.n_seqs
-
 
 class SeqPositions(Protocol):
     def seq_pos_min(self, seq_id: int) -> int: ...
@@ -63,18 +63,20 @@ class BatchAllocator:
     """A validated batch and the state of its split into ubatches."""
 
     def __init__(self, batch: Batch, *, n_vocab: int, n_seq_max: int, memory: SeqPositions | None) -> None:
-        n = len(batch.tokens)
+        # the fields are checked again: a Batch is mutable, and a decode must not see a str or a float
+        tokens, pos, seq_ids, logits = _checked_fields(batch)
+        n = len(tokens)
         if n == 0:
             raise InvalidBatchError("init: the batch is empty")
-        self.tokens = np.asarray(batch.tokens, dtype=np.int64)
+        self.tokens = tokens
         _check_tokens(self.tokens, n_vocab)
-        seq_ids = [[0]] * n if batch.seq_ids is None else batch.seq_ids
+        seq_ids = ((0,),) * n if seq_ids is None else seq_ids
         if len(seq_ids) != n:
             raise InvalidBatchError(f"init: batch has {n} tokens but {len(seq_ids)} seq_id lists")
-        self.seq_ids = tuple(tuple(int(s) for s in ids) for ids in seq_ids)
+        self.seq_ids = seq_ids
         _check_seq_ids(self.seq_ids, n_seq_max)
-        self.pos = _positions(batch, self.seq_ids, memory, n_seq_max)
-        self.output = _outputs(batch, n)
+        self.pos = _positions(pos, self.seq_ids, memory)
+        self.output = _outputs(logits, n)
         self.n_outputs = int(self.output.sum())
         self.seq_set = [frozenset(ids) for ids in self.seq_ids]
         self.seq_set_map: dict[frozenset[int], list[int]] = {}
@@ -160,12 +162,20 @@ def _check_seq_ids(seq_ids: tuple[tuple[int, ...], ...], n_seq_max: int) -> None
             raise InvalidBatchError(f"init: token {i} lists a seq_id twice: {list(ids)}")
 
 
-def _positions(batch: Batch, seq_ids, memory: SeqPositions | None, n_seq_max: int) -> np.ndarray:
+def _checked_fields(batch: Batch):
+    """The batch's fields as arrays and tuples, or ArgumentTypeError naming the field and the value."""
+    return (int_array(batch.tokens, "tokens", "Batch"),
+            None if batch.pos is None else int_array(batch.pos, "pos", "Batch"),
+            None if batch.seq_ids is None else int_lists(batch.seq_ids, "seq_ids", "Batch"),
+            None if batch.logits is None else output_flags(batch.logits, "logits", "Batch"))
+
+
+def _positions(pos: np.ndarray | None, seq_ids, memory: SeqPositions | None) -> np.ndarray:
     n = len(seq_ids)
-    if batch.pos is not None:
-        if len(batch.pos) != n:
-            raise InvalidBatchError(f"init: batch has {n} tokens but {len(batch.pos)} positions")
-        return np.asarray(batch.pos, dtype=np.int64)
+    if pos is not None:
+        if len(pos) != n:
+            raise InvalidBatchError(f"init: batch has {n} tokens but {len(pos)} positions")
+        return pos
     next_pos: dict[int, int] = {}
     pos = np.empty(n, dtype=np.int64)
     for i, ids in enumerate(seq_ids):
@@ -178,14 +188,14 @@ def _positions(batch: Batch, seq_ids, memory: SeqPositions | None, n_seq_max: in
     return pos
 
 
-def _outputs(batch: Batch, n: int) -> np.ndarray:
-    if batch.logits is None:
+def _outputs(logits: np.ndarray | None, n: int) -> np.ndarray:
+    if logits is None:
         out = np.zeros(n, dtype=bool)
         out[-1] = True
         return out
-    if len(batch.logits) != n:
-        raise InvalidBatchError(f"init: batch has {n} tokens but {len(batch.logits)} logits flags")
-    return np.asarray(batch.logits, dtype=bool)
+    if len(logits) != n:
+        raise InvalidBatchError(f"init: batch has {n} tokens but {len(logits)} logits flags")
+    return logits
 
 
 def _check_consistency(pos, seq_ids, memory: SeqPositions | None) -> bool:

@@ -2,19 +2,39 @@
 from __future__ import annotations
 
 import argparse
+import io
 import logging
+import os
 import re
 import sys
 import time
 
+from engine.devices import check_tensor_split, no_gpu_warning_lines, resolve_gpus
 from engine.errors import KvscopeError
+from engine.kv.cells import MAX_SEQ
+from engine.kv.slot_debug import ENV_VAR as KV_CACHE_DEBUG_ENV
+from engine.kv.slot_debug import level_from_env
 from engine.sampling import SamplerParams
-from engine.settings_aliases import parse_gpu_layers
+from engine.settings_aliases import (
+    OFFLOAD_LAYERS_ENV,
+    check_context_settings,
+    check_swa_window,
+    gpu_layers,
+    parse_gpu_layers,
+)
+from engine.weight_devices import parse_tensor_overrides
 
 log = logging.getLogger("kvscope.cli")
 
+SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a Unix tool whose reader went away
+# llama.cpp flags kvscope refuses on purpose, with the reason shown next to the usage
+REFUSED_FLAGS = {
+    "-t": "threads", "--threads": "threads", "-tb": "threads for batches", "--threads-batch": "threads for batches",
+}
 
-def _add_context_flags(p: argparse.ArgumentParser) -> None:
+
+def _add_context_flags(p: argparse.ArgumentParser, np_help: str = f"number of parallel sequences (1 to {MAX_SEQ})",
+                       np_default: int = 1) -> None:
     p.add_argument("-m", "--model", default="demo",
                    help="GGUF file or Hugging Face folder (default: demo, the bundled demo model)")
     p.add_argument("-c", "--ctx-size", "--kvsize", dest="ctx_size", type=int, default=0,
@@ -22,15 +42,20 @@ def _add_context_flags(p: argparse.ArgumentParser) -> None:
                         "--kvsize is the name articles use; llama.cpp's is -c/--ctx-size")
     p.add_argument("--swa-window", type=int, default=None, metavar="N",
                    help="sliding window of a sliding-window model's caches instead of the model's own (an "
-                        "experiment: the model was trained with its own window; memory and cell reuse follow N)")
-    p.add_argument("-b", "--batch-size", type=int, default=2048, help="logical batch size")
-    p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="physical batch size")
-    p.add_argument("-np", "--parallel", type=int, default=1, help="number of parallel sequences")
+                        "experiment: the model was trained with its own window; memory and cell reuse follow N; "
+                        "default: the model's window)")
+    p.add_argument("-b", "--batch-size", type=int, default=2048,
+                   help="logical batch size: the most tokens one decode takes (at least 1)")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512,
+                   help="physical batch size: the most tokens computed at once (at least 1)")
+    p.add_argument("-np", "--parallel", type=int, default=np_default, help=np_help)
     p.add_argument("-kvu", "--kv-unified", action="store_true", help="one KV buffer shared by all sequences")
     p.add_argument("--pad", type=int, default=256,
                    help="cache size padding in cells (llama.cpp: always 256; smaller for teaching)")
-    p.add_argument("-ctk", "--cache-type-k", default="f16", help="K cache type: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl")
-    p.add_argument("-ctv", "--cache-type-v", default="f16", help="V cache type (quantized V needs flash attention: -fa on or auto)")
+    p.add_argument("-ctk", "--cache-type-k", default="f16",
+                   help="K cache type: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl")
+    p.add_argument("-ctv", "--cache-type-v", default="f16",
+                   help="V cache type (quantized V needs flash attention: -fa on or auto)")
     p.add_argument("-fa", "--flash-attn", default="auto", choices=["auto", "on", "off"],
                    help="decides the V layout as in llama.cpp (off: V transposed)")
     p.add_argument("--swa-full", action="store_true", help="full-size SWA cache (sliding-window models)")
@@ -49,12 +74,13 @@ def _add_device_flags(p: argparse.ArgumentParser) -> None:
                    help="keep the KV cache on the CPU even for offloaded layers")
     p.add_argument("--virtual-gpu", action="append", default=None, metavar="NAME=SIZE",
                    help="add a virtual GPU, e.g. VGPU0=2GiB (repeatable). Virtual: its memory is host memory, "
-                        "accounted against the given size. When given, only these GPUs are used")
+                        "accounted against the given size. When given, only these GPUs are used (default: none; "
+                        "the real GPUs found are used)")
     p.add_argument("-ot", "--override-tensor", dest="tensor_overrides", action="append", default=None,
                    metavar="REGEX=DEVICE,...",
                    help="put the weights whose llama.cpp name matches REGEX (searched, first match wins) on DEVICE "
                         "(CPU or a GPU's name), e.g. 'ffn_.*=CPU' (repeatable). Weights only: K/V follow -ngl. "
-                        "Q/K/V and gate/up are one matrix each in kvscope and must go together")
+                        "Q/K/V and gate/up are one matrix each in kvscope and must go together (default: none)")
 
 
 def _gpu_layers(text: str) -> int:
@@ -75,12 +101,16 @@ def _tensor_split(text: str) -> list[float]:
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-s", "--seed", type=int, default=None, help="RNG seed (default: random)")
-    p.add_argument("--temp", type=float, default=0.8, help="temperature (<= 0: greedy)")
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("--repeat-last-n", type=int, default=64)
+    p.add_argument("--temp", type=float, default=0.8, help="temperature (<= 0: greedy, always the likeliest token)")
+    p.add_argument("--top-k", type=int, default=40, help="keep only the K likeliest tokens (<= 0: off)")
+    p.add_argument("--top-p", type=float, default=0.95,
+                   help="keep the fewest likeliest tokens whose probabilities add up to P, in (0, 1] (1: off)")
+    p.add_argument("--min-p", type=float, default=0.05,
+                   help="drop tokens less likely than P times the likeliest one, in [0, 1] (0: off)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0,
+                   help="penalise the tokens among the last --repeat-last-n ones, > 0 (1: off)")
+    p.add_argument("--repeat-last-n", type=int, default=64,
+                   help="how many recent tokens the repeat penalty looks at (0: off, -1: all)")
 
 
 class ExactFlagParser(argparse.ArgumentParser):
@@ -91,14 +121,67 @@ class ExactFlagParser(argparse.ArgumentParser):
         return []
 
 
+class CommandParser(ExactFlagParser):
+    """The top-level parser. A flag its subcommand does not know is reported with that subcommand's
+    usage (argparse would show the top-level usage, which lists no flags at all)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.commands: dict[str, argparse.ArgumentParser] = {}  # filled by build_parser
+
+    def parse_args(self, args=None, namespace=None) -> argparse.Namespace:
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser = self.commands.get(getattr(namespace, "command", None), self)
+            parser.error(unrecognized_message(extras, parser.prog))
+        return namespace
+
+
+def unrecognized_message(extras: list[str], prog: str) -> str:
+    """Which arguments are wrong, and why for the llama.cpp flags refused on purpose."""
+    flags = [a.split("=", 1)[0] for a in extras if a.startswith("-") and not _is_number(a)]
+    notes = [f"{flag} ({REFUSED_FLAGS[flag]}) is not supported: kvscope uses torch's threads (OMP_NUM_THREADS sets "
+             f"how many)" for flag in flags if flag in REFUSED_FLAGS]
+    unknown = [flag for flag in flags if flag not in REFUSED_FLAGS]
+    if unknown:
+        notes.append(f"{prog} has no flag {', '.join(unknown)}; `{prog} --help` lists its flags, and "
+                     f"docs/coming-from-llama-cpp.md the llama.cpp flags kvscope does not support")
+    if not flags:
+        notes.append(f"{prog} takes flags only")
+    return f"unrecognized arguments: {' '.join(extras)}\n" + "\n".join(notes)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default, unless its text already tells it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or action.default is argparse.SUPPRESS or "default" in text:
+            return text
+        if action.nargs == 0:  # a switch: given or not
+            return f"{text} (default: off)"
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = ExactFlagParser(prog="kvscope", allow_abbrev=False,
-                                     description="kvscope: a live explorer of LLM KV caches")
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", allow_abbrev=False, help="generate text and print llama.cpp's logs")
+    parser = CommandParser(prog="kvscope", allow_abbrev=False, description="kvscope: a live explorer of LLM KV caches")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=ExactFlagParser)
+
+    def command(name: str, **kwargs) -> argparse.ArgumentParser:
+        return sub.add_parser(name, allow_abbrev=False, formatter_class=DefaultsHelpFormatter, **kwargs)
+
+    gen = command("generate", help="generate text and print llama.cpp's logs")
     _add_context_flags(gen)
     _add_sampling_flags(gen)
-    gen.add_argument("-p", "--prompt", default="Once upon a time")
+    gen.add_argument("-p", "--prompt", default="Once upon a time", help="the text to continue")
     gen.add_argument("-n", "--n-predict", type=int, default=64,
                      help="tokens to generate per sequence (-1: until end of generation or a full context; 0: "
                           "evaluate the prompt only)")
@@ -108,12 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--keep", type=int, default=0,
                      help="tokens of the prompt to keep on a context shift (-1 = the whole prompt; BOS is always "
                           "kept)")
-    par = sub.add_parser("parallel", allow_abbrev=False,
-                         help="N clients answering a stream of requests with continuous batching "
-                              "(llama.cpp's parallel example)")
-    _add_context_flags(par)
+    par = command("parallel", help="N clients answering a stream of requests with continuous batching "
+                                   "(llama.cpp's parallel example)")
+    _add_context_flags(par, np_default=4, np_help=f"number of clients (1 to {MAX_SEQ - 1}: one sequence more holds "
+                                                   f"the shared system prompt)")
     _add_sampling_flags(par)
-    par.set_defaults(parallel=4)
     par.add_argument("-ns", "--sequences", type=int, default=16, help="number of requests to simulate")
     par.add_argument("-n", "--n-predict", type=int, default=64,
                      help="most tokens a request may generate (each request draws its budget from [N/4, N])")
@@ -123,8 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--no-pps", dest="pps", action="store_false",
                      help="do not share the system prompt: every request decodes it in its own sequence")
     par.add_argument("--steps", action="store_true", help="print one line per step (batch, decodes, cache use)")
-    est = sub.add_parser("estimate", allow_abbrev=False,
-                         help="memory per device for a model and context settings, from the file headers only")
+    est = command("estimate", help="memory per device for a model and context settings, from the file headers only")
     _add_context_flags(est)
     est.add_argument("--json", action="store_true", help="print the estimate as JSON")
     est.add_argument("--fit", action="store_true",
@@ -133,8 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --fit: MiB to leave free on every GPU (default 0; llama.cpp's is 1024)")
     est.add_argument("-fitc", "--fit-ctx", type=int, default=0, metavar="N",
                      help="with --fit: the smallest context it may propose; layers are fitted at this context")
-    tiny = sub.add_parser("make-tiny-model", help="write a tiny random llama (HF folder and GGUF) for demos")
+    tiny = command("make-tiny-model", help="write a tiny random llama (HF folder and GGUF) for demos")
     tiny.add_argument("folder")
+    parser.commands = dict(sub.choices)
     return parser
 
 
@@ -146,12 +228,53 @@ def _context_kwargs(args: argparse.Namespace) -> dict:
                 tensor_overrides=args.tensor_overrides, swa_window=args.swa_window)
 
 
-def _load_model(args: argparse.Namespace):
-    """(model, load time in ms), after the checks both generating commands share."""
-    import engine
-
+# ---- checks before loading: the context's own checks, run while no model is needed -----------------
+def _checked_context_kwargs(args: argparse.Namespace, n_seq_max: int, *, ignores_gpu_layers: bool = False) -> dict:
+    """The context's keyword arguments, after every check that needs no model, so that a bad setting is
+    told at once rather than after the load. n_seq_max: the sequences the context gets."""
     if args.parallel < 1:
         raise KvscopeError(f"-np must be >= 1, got {args.parallel}")
+    check_context_settings(n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
+                           n_seq_max=n_seq_max, pad=args.pad, type_k=args.cache_type_k, type_v=args.cache_type_v,
+                           flash_attn=args.flash_attn)
+    check_swa_window(args.swa_window)
+    kwargs = _context_kwargs(args)
+    kwargs["n_seq_max"] = n_seq_max
+    kwargs["n_gpu_layers"] = _checked_gpu_layers(args, ignores_gpu_layers)
+    return kwargs
+
+
+def _checked_gpu_layers(args: argparse.Namespace, ignored_anyway: bool) -> int:
+    """-ngl (or $LLAMA_OFFLOAD_LAYERS) after checking the device flags; 0, with llama.cpp's warning, when
+    there is no GPU to offload to. The context would ignore the layers too; given 0, it does not warn
+    a second time."""
+    n_gpu_layers = gpu_layers(args.n_gpu_layers)
+    gpus = resolve_gpus(args.virtual_gpu)
+    check_tensor_split(gpus, args.tensor_split)
+    parse_tensor_overrides(args.tensor_overrides, gpus)
+    if ignored_anyway:
+        return n_gpu_layers
+    from_env = args.n_gpu_layers is None and os.environ.get(OFFLOAD_LAYERS_ENV, "").strip()
+    setting = f"{OFFLOAD_LAYERS_ENV}={from_env}" if from_env else "--gpu-layers option"
+    lines = no_gpu_warning_lines(n_gpu_layers, gpus, setting=setting, virtual_gpu="--virtual-gpu VGPU0=2GiB")
+    for line in lines:
+        log.warning("%s", line)
+    return 0 if lines else n_gpu_layers
+
+
+def _hint_kv_cache_debug(verbose: bool) -> None:
+    """LLAMA_KV_CACHE_DEBUG's dump is made of debug lines, which only -v shows: say so once, at start.
+    Reading the level here also refuses a value that is not a number before the model is loaded."""
+    level = level_from_env()
+    if level > 0 and not verbose:
+        log.warning("warning: %s=%d: the find_slot dump is printed at debug level; add -v to see it",
+                    KV_CACHE_DEBUG_ENV, level)
+
+
+def _load_model(args: argparse.Namespace):
+    """(model, load time in ms)."""
+    import engine
+
     t_load = time.perf_counter()
     model = engine.load_model(args.model, dtype=args.dtype)
     return model, (time.perf_counter() - t_load) * 1e3
@@ -159,11 +282,14 @@ def _load_model(args: argparse.Namespace):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import engine
-    from engine.generate import Generator
+    from engine.generate import Generator, check_n_predict
 
-    model, load_ms = _load_model(args)
-    ctx = engine.Context(model, **_context_kwargs(args))
+    settings = _checked_context_kwargs(args, args.parallel)
+    check_n_predict(args.n_predict)
     params = _sampler_params(args)
+    _hint_kv_cache_debug(args.verbose)
+    model, load_ms = _load_model(args)
+    ctx = engine.Context(model, **settings)
     gen = Generator(ctx, params, context_shift=args.context_shift, n_keep=args.keep)
     log.info("sampler seed: %d", gen.sampler.seed)
     n_par = args.parallel
@@ -186,21 +312,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_parallel(args: argparse.Namespace) -> int:
     import engine
-    from engine.parallel import DEFAULT_SYSTEM_PROMPT, ParallelRunner
+    from engine.parallel import (
+        DEFAULT_SYSTEM_PROMPT,
+        ParallelRunner,
+        check_system_prompt,
+    )
     from engine.parallel_workload import make_schedule
 
     if args.sequences < 0:
         raise KvscopeError(f"--sequences must be >= 0, got {args.sequences}")
-    model, load_ms = _load_model(args)
-    kwargs = _context_kwargs(args)
-    kwargs["n_seq_max"] = args.parallel + 1  # one sequence for the system prompt, as llama-parallel
-    ctx = engine.Context(model, **kwargs)
+    if args.parallel >= MAX_SEQ:
+        raise KvscopeError(f"-np must be <= {MAX_SEQ - 1} for parallel, got {args.parallel}: sequence 0 holds the "
+                           f"shared system prompt, so the context needs -np + 1 sequences, and it holds at most "
+                           f"{MAX_SEQ}")
+    # one sequence more for the system prompt, as llama-parallel
+    settings = _checked_context_kwargs(args, args.parallel + 1)
     params = _sampler_params(args)
-    runner = ParallelRunner(ctx, args.parallel, params,
-                            system_prompt=DEFAULT_SYSTEM_PROMPT if args.system_prompt is None else args.system_prompt,
-                            share_system_prompt=args.pps)
-    log.info("sampler seed: %d", runner.seed)
+    system_prompt = DEFAULT_SYSTEM_PROMPT if args.system_prompt is None else args.system_prompt
+    check_system_prompt(system_prompt, args.pps)
     requests = make_schedule(args.sequences, seed=args.seed, n_predict=args.n_predict, arrival_gap=args.arrival_gap)
+    _hint_kv_cache_debug(args.verbose)
+    model, load_ms = _load_model(args)
+    ctx = engine.Context(model, **settings)
+    runner = ParallelRunner(ctx, args.parallel, params, system_prompt=system_prompt, share_system_prompt=args.pps)
+    log.info("sampler seed: %d", runner.seed)
     for info in runner.steps(requests):
         if args.steps:
             tries = " ".join(f"{d.n_tokens}:{d.rc}" for d in info.decodes)
@@ -277,7 +412,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     from engine.estimate import estimate, fit, format_table
 
-    kwargs = _context_kwargs(args)
+    kwargs = _checked_context_kwargs(args, args.parallel, ignores_gpu_layers=args.fit)
     if args.fit:
         est = fit(args.model, dtype=args.dtype, fit_target=args.fit_target << 20, fit_ctx_min=args.fit_ctx, **kwargs)
     else:
@@ -291,7 +426,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from engine.testing.tiny_models import write_tiny_llama_demo
 
-    hf, gguf_path = write_tiny_llama_demo(args.folder)
+    try:
+        hf, gguf_path = write_tiny_llama_demo(args.folder)
+    except ModuleNotFoundError as e:  # the writer builds the model with transformers, a test dependency
+        raise KvscopeError(f"make-tiny-model needs the package {e.name!r}, which the test dependencies bring: "
+                           f"pip install -e '.[dev]'") from None
     print(f"wrote {hf} and {gguf_path}")
     return 0
 
@@ -299,18 +438,39 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = _log_to_stderr(verbose=getattr(args, "verbose", False))
+    try:
+        return _run(args)
+    except BrokenPipeError:
+        return _stdout_reader_gone()
+    finally:
+        logging.getLogger("kvscope").removeHandler(handler)
+
+
+def _run(args: argparse.Namespace) -> int:
     commands = {"generate": cmd_generate, "parallel": cmd_parallel, "estimate": cmd_estimate,
                 "make-tiny-model": cmd_make_tiny_model}
     try:
-        return commands[args.command](args)
+        rc = commands[args.command](args)
+        sys.stdout.flush()  # now rather than at exit, so that a reader that went away is noticed in main
+        return rc
     except KvscopeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except ValueError as e:  # sampler parameter validation
         print(f"error: {e}", file=sys.stderr)
         return 2
-    finally:
-        logging.getLogger("kvscope").removeHandler(handler)
+
+
+def _stdout_reader_gone() -> int:
+    """The reader of stdout closed the pipe (`kvscope ... | head`): stop quietly, as Unix tools do. stdout
+    is pointed at /dev/null so that Python's own flush at exit has nothing left to fail on."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, io.UnsupportedOperation):  # a stdout without a file descriptor
+        pass
+    return SIGPIPE_EXIT
 
 
 def _log_to_stderr(verbose: bool) -> logging.Handler:

@@ -15,12 +15,29 @@ import numpy as np
 import torch
 
 from engine import events as ev
+from engine.arguments import (
+    bytes_arg,
+    flag_arg,
+    int_arg,
+    int_array,
+    ints,
+    list_of,
+    number_list,
+    optional_int,
+    path_arg,
+    str_arg,
+    str_list,
+)
 from engine.batch import Batch, BatchAllocator, UBatch
 from engine.context_devices import ContextDevices
 from engine.devices import Device
-from engine.errors import BatchTooLargeError, ContextParamsError, InvalidBatchError
+from engine.errors import (
+    ArgumentTypeError,
+    BatchTooLargeError,
+    ContextParamsError,
+    InvalidBatchError,
+)
 from engine.kv import state_files
-from engine.kv.cells import MAX_SEQ
 from engine.kv.factory import build_memory
 from engine.kv.memory import Memory
 from engine.kv.slot_debug import level_from_env
@@ -29,12 +46,14 @@ from engine.kv.types import cache_type
 from engine.memory_breakdown import MemoryBreakdown
 from engine.models.model import Model
 from engine.models.transformer import DecodeAborted
-from engine.settings_aliases import context_size, gpu_layers, with_swa_window
+from engine.settings_aliases import (
+    check_context_settings,
+    context_size,
+    gpu_layers,
+    with_swa_window,
+)
 
 log = logging.getLogger("kvscope.context")
-
-FLASH_ATTN_MODES = ("auto", "on", "off")
-
 
 def pad_to(n: int, pad: int) -> int:
     return (n + pad - 1) // pad * pad
@@ -64,39 +83,22 @@ class ContextParams:
                 swa_full: bool, head_dims: tuple[int, ...] = ()) -> ContextParams:
         """head_dims: the K/V head size of every model layer, for the block-size check of quantized
         cache types (empty: not checked). A quantized V cache turns flash_attn "auto" into "on"."""
-        if pad < 1:
-            raise ContextParamsError(f"pad must be >= 1, got {pad}")
-        if n_ctx < 0 or n_batch < 0 or n_ubatch < 0:
-            raise ContextParamsError(f"sizes must not be negative (n_ctx={n_ctx}, n_batch={n_batch}, n_ubatch={n_ubatch})")
+        check_context_settings(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max, pad=pad,
+                               type_k=type_k, type_v=type_v, flash_attn=flash_attn, head_dims=head_dims)
         n_seq_max = max(1, n_seq_max)
-        if n_seq_max > MAX_SEQ:
-            raise ContextParamsError(f"n_seq_max = {n_seq_max} > {MAX_SEQ}")
-        if flash_attn not in FLASH_ATTN_MODES:
-            raise ContextParamsError(f"flash_attn must be one of {FLASH_ATTN_MODES}, got {flash_attn!r}")
-        ctype_k, ctype_v = cache_type(type_k), cache_type(type_v)
-        # llama_init_from_model: quantized V needs flash attention (V is then not transposed).
-        if ctype_v.is_quantized and flash_attn != "on":
-            if flash_attn == "off":
-                raise ContextParamsError(
-                    f"quantized V cache requires flash_attn to be enabled (type_v = {ctype_v.name}, "
-                    f"flash_attn = 'off'); use flash_attn='auto' or 'on', or an unquantized V cache (f16, bf16, f32)")
+        if cache_type(type_v).is_quantized and flash_attn == "auto":
             flash_attn = "on"  # Context logs llama_init_from_model's line after the model's placement lines
-        if flash_attn != "off":
-            for kind, ctype in (("k", ctype_k), ("v", ctype_v)):
-                bad = [d for d in head_dims if ctype.is_quantized and d % ctype.block_size]
-                if bad:
-                    raise ContextParamsError(
-                        f"{kind.upper()} cache type {ctype.name} with block size {ctype.block_size} does not divide "
-                        f"n_embd_head_{kind}={bad[0]}; a quantized {kind.upper()} cache needs a head size that is a "
-                        f"multiple of {ctype.block_size}: use type_{kind}='f16' (or bf16, f32) with this model")
-        n_ctx = pad_to(n_ctx or n_ctx_train, pad)
+        n_ctx_requested = n_ctx or n_ctx_train
+        # llama_context's constructor bounds the batch by the n_ctx as requested, before the memory
+        # rounds it up: n_ctx 1 gives 256 cells but n_batch = n_ubatch = 1.
+        n_batch = min(n_ctx_requested, n_batch)
+        n_ubatch = min(n_batch, n_ubatch)
+        n_ctx = pad_to(n_ctx_requested, pad)
         if kv_unified:
             n_ctx_seq = n_ctx
         else:
             n_ctx_seq = pad_to(n_ctx // n_seq_max, pad)
             n_ctx = n_ctx_seq * n_seq_max
-        n_batch = min(n_ctx, n_batch or n_ctx)
-        n_ubatch = min(n_batch, n_ubatch or n_batch)
         return cls(n_ctx, n_ctx_seq, n_batch, n_ubatch, n_seq_max, 1 if kv_unified else n_seq_max, kv_unified,
                    pad, type_k.lower(), type_v.lower(), flash_attn, flash_attn == "off", swa_full)
 
@@ -141,6 +143,29 @@ class Context:
         library default; 0: n_ctx_train); n_gpu_layers defaults to $LLAMA_OFFLOAD_LAYERS, else 0;
         swa_window replaces a sliding-window model's window for the caches. kv_cache_debug: llama.cpp's
         LLAMA_KV_CACHE_DEBUG level for the slot-search dump (None: the environment variable)."""
+        if not isinstance(model, Model):
+            raise ArgumentTypeError(f"Context: model must be an engine.Model (from engine.load_model), got "
+                                    f"{type(model).__name__}")
+        n_ctx, kvsize, n_gpu_layers, swa_window, kv_cache_debug = (
+            optional_int(v, name, "Context") for name, v in (("n_ctx", n_ctx), ("kvsize", kvsize),
+                                                             ("n_gpu_layers", n_gpu_layers), ("swa_window", swa_window),
+                                                             ("kv_cache_debug", kv_cache_debug)))
+        n_batch, n_ubatch, n_seq_max, pad = ints("Context", n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max,
+                                                 pad=pad)
+        kv_unified, swa_full, offload_kqv = (flag_arg(v, name, "Context") for name, v in (
+            ("kv_unified", kv_unified), ("swa_full", swa_full), ("offload_kqv", offload_kqv)))
+        type_k, type_v, flash_attn = (str_arg(v, name, "Context") for name, v in (
+            ("type_k", type_k), ("type_v", type_v), ("flash_attn", flash_attn)))
+        if devices is not None:
+            devices = list_of(devices, "devices", "Context", item="a device name ('CUDA0', 'VGPU0=2GiB') or an "
+                              "engine.devices.Device", ok=lambda d: isinstance(d, (str, Device)))
+        tensor_split = None if tensor_split is None else number_list(tensor_split, "tensor_split", "Context")
+        if tensor_overrides is not None:
+            tensor_overrides = str_list(tensor_overrides, "tensor_overrides", "Context")
+        if bus is not None and not isinstance(bus, ev.EventBus):
+            raise ArgumentTypeError(f"Context: bus must be an engine.EventBus or None, got {type(bus).__name__}")
+        if abort_callback is not None and not callable(abort_callback):
+            raise ArgumentTypeError(f"Context: abort_callback must be callable or None, got {abort_callback!r}")
         n_ctx, n_gpu_layers = context_size(n_ctx, kvsize), gpu_layers(n_gpu_layers)
         # read before anything is placed or reserved, so that a bad value leaves no trace
         kv_cache_debug = level_from_env() if kv_cache_debug is None else kv_cache_debug
@@ -181,7 +206,10 @@ class Context:
         self._logits: torch.Tensor | None = None
         self._output_batch_idx: np.ndarray = np.zeros(0, dtype=np.int64)
         self.last_error = ""
-        self._publish_created()
+        if self.bus.active:
+            for event in self._created_events():
+                self.bus.publish(event)
+        self.bus.add_state_source(self.state_events)
 
     # ---- sizes ----------------------------------------------------------------------------
     @property
@@ -226,19 +254,16 @@ class Context:
                          "possible training context overflow")
         return lines
 
-    def _publish_created(self) -> None:
-        if not self.bus.active:
-            return
+    def _created_events(self) -> list[ev.ContextCreated]:
         p = self.params
-        for cache in self.memory.caches():
-            lo = cache.layout
-            self.bus.publish(ev.ContextCreated(
-                cache=cache.name, n_ctx=p.n_ctx, n_ctx_seq=p.n_ctx_seq, kv_size=cache.size,
-                n_stream=cache.n_stream, n_seq_max=p.n_seq_max, n_layer=len(lo.layer_ids), type_k=p.type_k,
-                type_v=p.type_v, v_trans=p.v_trans, k_bytes=cache.k_bytes(), v_bytes=cache.v_bytes(),
-                n_batch=p.n_batch, n_ubatch=p.n_ubatch, pad=p.pad, unified=p.kv_unified,
-                model_name=self.model.name, log_lines=tuple(self.init_log_lines), layer_ids=lo.layer_ids,
-                n_swa=lo.n_swa, swa_type=int(lo.swa_type), n_swa_train=self.model.config.n_swa if lo.n_swa else 0))
+        return [ev.ContextCreated(
+            cache=cache.name, n_ctx=p.n_ctx, n_ctx_seq=p.n_ctx_seq, kv_size=cache.size,
+            n_stream=cache.n_stream, n_seq_max=p.n_seq_max, n_layer=len(cache.layout.layer_ids), type_k=p.type_k,
+            type_v=p.type_v, v_trans=p.v_trans, k_bytes=cache.k_bytes(), v_bytes=cache.v_bytes(),
+            n_batch=p.n_batch, n_ubatch=p.n_ubatch, pad=p.pad, unified=p.kv_unified,
+            model_name=self.model.name, log_lines=tuple(self.init_log_lines), layer_ids=cache.layout.layer_ids,
+            n_swa=cache.layout.n_swa, swa_type=int(cache.layout.swa_type),
+            n_swa_train=self.model.config.n_swa if cache.layout.n_swa else 0) for cache in self.memory.caches()]
 
     # ---- memory ----------------------------------------------------------------------------------
     def memory_breakdown(self) -> dict[Device, MemoryBreakdown]:
@@ -250,12 +275,16 @@ class Context:
         """llama_memory_breakdown_print's table, with each GPU's total and free memory as of now."""
         return self.devices.breakdown_lines()
 
+    def state_events(self) -> list[ev.Event]:
+        """The context as events: where the model is, what each device holds, ContextCreated and a full
+        MemorySnapshot per cache. The bus gives them to every watcher that subscribes (EventBus.subscribe)."""
+        return self.devices.state_events() + self._created_events() + self.memory.snapshot_events()
+
     def publish_state(self) -> None:
-        """Publish where the model is, what each device holds, ContextCreated and a full MemorySnapshot,
-        for a watcher that joins late."""
-        self.devices.publish_state(self.bus)
-        self._publish_created()
-        self.memory.publish_snapshot()
+        """Publish state_events() to every watcher, e.g. to resync one that lost events."""
+        if self.bus.active:
+            for event in self.state_events():
+                self.bus.publish(event)
 
     # ---- decode -----------------------------------------------------------------------------
     def decode(self, batch: Batch) -> int:
@@ -319,7 +348,7 @@ class Context:
         return 0
 
     def _remove_failed_ubatch(self, ub: UBatch) -> None:
-        """llama.cpp's cleanup (§10): each sequence of the failed ubatch loses its cells from the ubatch's
+        """llama.cpp's cleanup (llama_context::decode, src/llama-context.cpp): each sequence of the failed ubatch loses its cells from the ubatch's
         smallest position of that sequence on. Only each token's FIRST seq id counts (llama.cpp keys
         pos_min by ubatch.seq_id[i][0]), so the other seqs of a coupled token keep those cells."""
         p_min: dict[int, int] = {}
@@ -381,6 +410,7 @@ class Context:
         return self._logits
 
     # ---- state save/restore (llama.h llama_state_*; format and failure rules: engine/kv/state.py) ----
+    # Arguments are checked here, before the state code reads or changes anything.
     def state_get_data(self) -> bytes:
         """llama_state_get_data: the model arch and the state of the whole memory."""
         return state_files.context_state_bytes(self.model.config.arch, caches_of(self.memory))
@@ -390,11 +420,13 @@ class Context:
 
     def state_set_data(self, data: bytes) -> int:
         """llama_state_set_data: replace the whole memory; returns the bytes read. Raises
-        engine.kv.state.StateFileError (the memory then is as spec section 13 says)."""
+        engine.kv.state.StateFileError (the memory is then left as llama_kv_cache::state_read leaves it)."""
+        data = bytes_arg(data, "data", "state_set_data")
         return state_files.restore_context_state(self.model.config.arch, caches_of(self.memory), data)
 
     def state_seq_get_data(self, seq_id: int, flags: int = 0) -> bytes:
         """llama_state_seq_get_data(_ext): the state of one sequence (flags: STATE_SEQ_FLAGS_*)."""
+        seq_id, flags = ints("state_seq_get_data", seq_id=seq_id, flags=flags)
         return state_files.seq_state_bytes(caches_of(self.memory, flags), seq_id)
 
     def state_seq_get_size(self, seq_id: int, flags: int = 0) -> int:
@@ -403,21 +435,31 @@ class Context:
     def state_seq_set_data(self, data: bytes, dest_seq_id: int, flags: int = 0) -> int:
         """llama_state_seq_set_data(_ext): load a sequence state into dest_seq_id (the saved id is
         ignored); returns the bytes read."""
+        data = bytes_arg(data, "data", "state_seq_set_data")
+        dest_seq_id, flags = ints("state_seq_set_data", dest_seq_id=dest_seq_id, flags=flags)
         return state_files.restore_seq_state(caches_of(self.memory, flags), data, dest_seq_id)
 
     def state_save_file(self, path, tokens) -> int:
         """llama_state_save_file ('ggsn' session file with the tokens); returns the file size."""
+        path, tokens = path_arg(path, "path", "state_save_file"), int_array(tokens, "tokens", "state_save_file")
         return state_files.save_session_file(path, self.model.config.arch, caches_of(self.memory), tokens)
 
     def state_load_file(self, path, n_token_capacity: int | None = None) -> list[int]:
         """llama_state_load_file: restore the whole memory; returns the saved tokens."""
+        path = path_arg(path, "path", "state_load_file")
+        n_token_capacity = optional_int(n_token_capacity, "n_token_capacity", "state_load_file")
         return state_files.load_session_file(path, self.model.config.arch, caches_of(self.memory),
-                                       n_token_capacity)
+                                             n_token_capacity)
 
     def state_seq_save_file(self, path, seq_id: int, tokens) -> int:
         """llama_state_seq_save_file ('ggsq' file with the tokens); returns the file size."""
+        path, tokens = path_arg(path, "path", "state_seq_save_file"), int_array(tokens, "tokens", "state_seq_save_file")
+        seq_id = int_arg(seq_id, "seq_id", "state_seq_save_file")
         return state_files.save_seq_file(path, caches_of(self.memory), seq_id, tokens)
 
     def state_seq_load_file(self, path, dest_seq_id: int, n_token_capacity: int | None = None) -> list[int]:
         """llama_state_seq_load_file: restore a sequence into dest_seq_id; returns the saved tokens."""
+        path = path_arg(path, "path", "state_seq_load_file")
+        dest_seq_id = int_arg(dest_seq_id, "dest_seq_id", "state_seq_load_file")
+        n_token_capacity = optional_int(n_token_capacity, "n_token_capacity", "state_seq_load_file")
         return state_files.load_seq_file(path, caches_of(self.memory), dest_seq_id, n_token_capacity)

@@ -1,6 +1,8 @@
-"""Where a context's weights, K/V and compute buffers live, and how many bytes each device gets
-(spec sections 11 and 12): planned from the settings, checked against every device's free memory
-before anything is reserved or moved, then committed (weights placed, virtual ledgers reserved).
+"""Where a context's weights, K/V and compute buffers live, and how many bytes each device gets (as
+llama.cpp's `llama_model::load_tensors` places layers, src/llama-model.cpp, and `llama_kv_cache`'s
+constructor sizes K/V buffers, src/llama-kv-cache.cpp): planned from the settings, checked against every
+device's free memory before anything is reserved or moved, then committed (weights placed, virtual
+ledgers reserved).
 """
 from __future__ import annotations
 
@@ -17,7 +19,14 @@ from engine.device_memory import (
     offloads_anything,
     reserve_until_collected,
 )
-from engine.devices import CPU, Device, Placement, plan_placement, resolve_gpus
+from engine.devices import (
+    CPU,
+    Device,
+    Placement,
+    no_gpu_warning_lines,
+    plan_placement,
+    resolve_gpus,
+)
 from engine.errors import ContextParamsError
 from engine.kv.factory import cache_layouts, kv_bytes_by_device, kv_size_by_layer
 from engine.memory_breakdown import (
@@ -50,6 +59,9 @@ class ContextDevices:
         self.model = model
         cfg, transformer = cache_config, model.transformer
         self.gpus: tuple[Device, ...] = tuple(resolve_gpus(devices))
+        for line in no_gpu_warning_lines(n_gpu_layers, self.gpus, setting=f"n_gpu_layers = {n_gpu_layers}",
+                                         virtual_gpu='devices=["VGPU0=2GiB"]'):
+            log.warning("%s", line)
         self.placement: Placement = plan_placement(cfg.n_layer, n_gpu_layers, self.gpus, tensor_split, offload_kqv)
         self.weight_devices: WeightDevices = plan_weight_devices(
             cfg, self.placement, parse_tensor_overrides(tensor_overrides, self.gpus))
@@ -134,23 +146,23 @@ class ContextDevices:
     def breakdown_lines(self) -> list[str]:
         return breakdown_table(self.breakdown(), self.gpus)
 
-    def publish_model_placed(self, bus: ev.EventBus) -> None:
-        if not bus.active:
-            return
+    def model_placed_event(self) -> ev.ModelPlaced:
         placement = self.placement
-        bus.publish(ev.ModelPlaced(
+        return ev.ModelPlaced(
             model_name=self.model.name, layer_devices=tuple(d.name for d in placement.layer_devices),
             output_device=placement.output_device.name,
             weight_bytes=tuple((d.name, n) for d, n in self.model_bytes.items()),
             shared=self.shares_weights,
             overridden=tuple((name, d.name) for name, d in self.weight_devices.overridden),
-            kv_devices=tuple(d.name for d in placement.kv_devices)))
+            kv_devices=tuple(d.name for d in placement.kv_devices))
 
-    def publish_state(self, bus: ev.EventBus) -> None:
-        """ModelPlaced and the absolute bytes per device, for a watcher that joins late."""
-        self.publish_model_placed(bus)
+    def publish_model_placed(self, bus: ev.EventBus) -> None:
         if bus.active:
-            bus.publish(ev.DeviceMemoryState(tuple(
-                ev.DeviceBytes(dev.name, dev.is_virtual, dev.capacity, dev.reserved_bytes() if dev.is_virtual else None,
-                               mb.model, mb.context, mb.compute)
-                for dev, mb in self.breakdown().items())))
+            bus.publish(self.model_placed_event())
+
+    def state_events(self) -> list[ev.Event]:
+        """ModelPlaced and the absolute bytes per device, for a watcher that joins late."""
+        return [self.model_placed_event(), ev.DeviceMemoryState(tuple(
+            ev.DeviceBytes(dev.name, dev.is_virtual, dev.capacity, dev.reserved_bytes() if dev.is_virtual else None,
+                           mb.model, mb.context, mb.compute)
+            for dev, mb in self.breakdown().items()))]

@@ -60,9 +60,9 @@ def reserve_until_collected(owner, bytes_by_device: dict[Device, int], what: str
 
 
 class WeightPlacement:
-    """A model's weights placed on devices (spec section 12), shared by every context that asks for
-    the same placement: weights exist once per model. Virtual devices account the weight bytes until
-    the last such context is garbage collected; then the weights go back to the CPU."""
+    """A model's weights placed on devices (as `llama_model::load_tensors` places them), shared by every
+    context that asks for the same placement: weights exist once per model. Virtual devices account the
+    weight bytes until the last such context is garbage collected; then the weights go back to the CPU."""
 
     def __init__(self, transformer, weight_devices: WeightDevices, weight_bytes: dict[Device, int],
                  bus: ev.EventBus | None = None) -> None:

@@ -1,4 +1,5 @@
-"""Devices and per-layer placement, as llama.cpp's model loader decides them (spec section 12).
+"""Devices and per-layer placement, as llama.cpp's model loader decides them (`llama_model::load_tensors`
+in src/llama-model.cpp: the last -ngl layers, the output layer counting as one, split by -ts).
 
 A Device is either real (the CPU, a CUDA GPU, an Apple MPS GPU) or *virtual*: a named pretend GPU whose
 memory is host memory, accounted against a capacity the user gives ("VGPU0=2GiB"). Virtual devices let
@@ -179,17 +180,6 @@ def virtual_device(spec: str, taken_names: Sequence[str] = ()) -> Device:
     return Device(name, "virtual", torch.device("cpu"), capacity)
 
 
-def virtual_devices(specs: Sequence[str]) -> list[Device]:
-    """Several virtual devices; names must differ from each other and from the real devices."""
-    taken = [d.name for d in discover_devices()]
-    out: list[Device] = []
-    for spec in specs:
-        dev = virtual_device(spec, taken)
-        taken.append(dev.name)
-        out.append(dev)
-    return out
-
-
 def resolve_gpus(devices: Sequence[Device | str] | None) -> list[Device]:
     """The GPUs a context may offload to. None: every real GPU found. Otherwise each item is a Device,
     the name of a real device ("CUDA0"), or a virtual device spec ("VGPU0=2GiB")."""
@@ -214,6 +204,18 @@ def resolve_gpus(devices: Sequence[Device | str] | None) -> list[Device]:
             raise DeviceSpecError(f"device {dev} is listed twice; list each device once")
         gpus.append(dev)
     return gpus
+
+
+def no_gpu_warning_lines(n_gpu_layers: int, gpus: Sequence[Device], *, setting: str,
+                         virtual_gpu: str) -> list[str]:
+    """What llama.cpp's -ngl prints when there is no GPU to offload to (common/arg.cpp), and how to try the
+    offload with a virtual GPU instead; empty when nothing is ignored. setting: the name of what is
+    ignored; virtual_gpu: how the caller adds a virtual GPU (a flag, or a keyword argument)."""
+    if n_gpu_layers == 0 or gpus:
+        return []
+    return [f"warning: no usable GPU found, {setting} will be ignored",
+            "warning: one possible reason is that torch was installed without GPU support (a CPU-only build)",
+            f"warning: to offload layers without a GPU, add a virtual one: {virtual_gpu}"]
 
 
 # ---- placement -----------------------------------------------------------------------------------
@@ -266,7 +268,7 @@ def plan_placement(n_layer: int, n_gpu_layers: int, gpus: Sequence[Device], tens
     ngl = n_layer + 1 if n_gpu_layers < 0 else n_gpu_layers
     i_gpu_start = max(n_layer + 1 - ngl, 0)
     act = min(ngl, n_layer + 1) if gpus else 0
-    _check_tensor_split(gpus, tensor_split)
+    check_tensor_split(gpus, tensor_split)
     # Only when something is offloaded: the default split asks CUDA for free memory, which starts it up.
     splits = _split_points(gpus, tensor_split) if act > 0 else np.zeros(0, np.float32)
 
@@ -282,7 +284,8 @@ def plan_placement(n_layer: int, n_gpu_layers: int, gpus: Sequence[Device], tens
     return Placement(n_layer, ngl, i_gpu_start, CPU, layers, device_of(n_layer), kv, bool(gpus))
 
 
-def _check_tensor_split(gpus: Sequence[Device], tensor_split: Sequence[float] | None) -> None:
+def check_tensor_split(gpus: Sequence[Device], tensor_split: Sequence[float] | None) -> None:
+    """One weight >= 0 per GPU; the commands check it before loading a model."""
     if tensor_split is not None and len(tensor_split) != len(gpus):
         raise DeviceSpecError(f"tensor_split has {len(tensor_split)} values for {len(gpus)} GPUs "
                               f"({', '.join(map(str, gpus))}); give one weight per GPU, e.g. 3,1")

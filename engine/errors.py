@@ -32,3 +32,8 @@ class BatchTooLargeError(KvscopeError):
 
 class DeviceSpecError(KvscopeError, ValueError):
     """A device list, virtual device spec, layer count or tensor split that cannot be used."""
+
+
+class ArgumentTypeError(KvscopeError, TypeError):
+    """An argument of a public call has the wrong type (a str or float where an int is meant, ...).
+    Raised before anything changes; the message names the call, the argument and the value."""

@@ -1,4 +1,4 @@
-"""Memory estimate without loading a model (issue 5 point 4: `kvscope estimate`).
+"""Memory estimate without loading a model (`kvscope estimate`).
 
 Reads only headers (GGUF metadata and tensor infos, or config.json), then sizes the weights as the
 Transformer stores them in the compute dtype and the KV cache with the same functions the Context
@@ -7,13 +7,21 @@ the bytes a real Context would allocate or reserve per device.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine.compute_memory import compute_bytes_by_device
 from engine.context import ContextParams
-from engine.devices import CPU, Device, Placement, plan_placement, resolve_gpus
+from engine.devices import (
+    CPU,
+    Device,
+    Placement,
+    no_gpu_warning_lines,
+    plan_placement,
+    resolve_gpus,
+)
 from engine.kv.factory import cache_layouts, kv_bytes_by_device, kv_size_by_layer
 from engine.models.config import ModelConfig
 from engine.models.model import compute_dtype, resolve_model_path
@@ -25,6 +33,8 @@ from engine.weight_devices import (
     plan_weight_devices,
     weight_tensor_sizes,
 )
+
+log = logging.getLogger("kvscope.estimate")
 
 
 @dataclass(frozen=True)
@@ -95,22 +105,17 @@ def config_from_headers(path: str | Path) -> ModelConfig:
 
 def _gguf_config(path: Path) -> ModelConfig:
     from engine.formats.gguf_file import (
-        config_from_gguf_metadata,
-        hf_tensor_name,
+        check_tensor_infos,
+        config_from_reader,
         metadata_from_reader,
         open_gguf,
     )
 
     reader = open_gguf(path)  # memory-maps the file; tensor data is never decoded here
-    metadata = metadata_from_reader(reader, path)
-    arch = metadata.get("general.architecture", "llama")
-    shapes = {hf_tensor_name(t.name, arch): tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
-    embed = shapes.get("model.embed_tokens.weight")
     # rope_freqs (llama3) changes RoPE angles, not sizes: left out so that no tensor data is read
-    return config_from_gguf_metadata(
-        metadata, path=path, embedding_rows=None if embed is None else embed[0],
-        has_output="lm_head.weight" in shapes,
-        has_attention_bias="model.layers.0.self_attn.q_proj.bias" in shapes)
+    config = config_from_reader(reader, metadata_from_reader(reader, path), path)
+    check_tensor_infos(reader, config, path)  # a file that cannot load gets no estimate, told in its names
+    return config
 
 
 def _hf_config(folder: Path) -> ModelConfig:
@@ -135,6 +140,10 @@ def estimate(path: str | Path = "demo", *, dtype: str = "f32", **settings) -> Es
     swa_full, devices, n_gpu_layers, tensor_split, offload_kqv, tensor_overrides, kvsize, swa_window),
     without reading tensor data."""
     cfg, name, gpus = _read_target(path, dtype, settings)
+    n_gpu_layers = gpu_layers(settings.get("n_gpu_layers"))
+    for line in no_gpu_warning_lines(n_gpu_layers, gpus, setting=f"n_gpu_layers = {n_gpu_layers}",
+                                     virtual_gpu='devices=["VGPU0=2GiB"]'):
+        log.warning("%s", line)
     return _estimate(cfg, name, gpus, dtype, **settings)
 
 

@@ -14,12 +14,14 @@ import collections
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
 import numpy as np
 
 SCHEMA_VERSION = 1
+CALLBACK_INTERVAL = 0.05  # seconds a subscribe_callback thread waits to deliver events in batches
 
 log = logging.getLogger("kvscope.events")
 
@@ -78,7 +80,7 @@ class CellsChanged(Event):
     cache: str
     changes: tuple[StreamCells, ...]
     tentative: bool = False
-    quirk: str = ""  # set when the change is llama.cpp behaviour that looks unintended (spec QUIRKs)
+    quirk: str = ""  # set when the change is llama.cpp behaviour that looks unintended (the QUIRK_* texts of engine/kv/cache.py)
 
 
 @dataclass(frozen=True, eq=False)
@@ -183,7 +185,7 @@ class ContextCreated(Event):
 
 @dataclass(frozen=True, eq=False)
 class ModelPlaced(Event):
-    """Where a context's model weights live (spec section 12). weight_bytes: (device name, bytes) per
+    """Where a context's model weights live (llama_model::load_tensors, src/llama-model.cpp). weight_bytes: (device name, bytes) per
     device holding any weight, the input embedding included. layer_devices: each layer's device from
     -ngl (its residual stream and, unless -nkvo, K/V); overridden: (llama.cpp tensor name, device
     name) for weights an -ot pattern sent elsewhere. shared: the weights were already placed so by a live context."""
@@ -354,32 +356,60 @@ class EventBus:
         self._next_seq_no = 0
         self._delivering = False
         self._pending: list[Event] = []
+        # Whoever publishes state here (a Context) registers a function that describes that state as
+        # events, so that a watcher subscribing late starts from it. Weak: the bus keeps no context alive.
+        self._state_sources: list[weakref.WeakMethod] = []
+
+    def add_state_source(self, state_events: Callable[[], list[Event]]) -> None:
+        """Register a bound method returning the events that describe its owner's current state; every
+        later subscriber receives them first (see subscribe)."""
+        with self._lock:
+            self._state_sources = [r for r in self._state_sources if r() is not None]
+            self._state_sources.append(weakref.WeakMethod(state_events))
+
+    def _current_state(self) -> list[Event]:
+        events = []
+        for ref in self._state_sources:
+            source = ref()
+            if source is not None:
+                events += source()
+        for event in events:  # they describe the state as of the last published event
+            object.__setattr__(event, "seq_no", self._next_seq_no - 1)
+            object.__setattr__(event, "time", time.monotonic())
+        return events
 
     @property
     def active(self) -> bool:
         """True when someone listens; the engine skips building events otherwise."""
         return bool(self._subs)
 
-    def subscribe(self, maxsize: int = 65536, kinds: tuple[type, ...] | None = None) -> Subscription:
+    def subscribe(self, maxsize: int = 65536, kinds: tuple[type, ...] | None = None,
+                  with_state: bool = True) -> Subscription:
+        """A new watcher. with_state: it first receives the current state of every live context on this
+        bus (placement, device memory, ContextCreated, a MemorySnapshot per cache), then every event
+        published after it; nothing in between is lost, since both happen under the bus lock."""
         sub = Subscription(self, maxsize, kinds)
         with self._lock:
+            if with_state:
+                for event in self._current_state():
+                    sub._offer(event)
             self._subs = self._subs + (sub,)
         return sub
 
     def subscribe_callback(self, callback: Callable[[Event], None], maxsize: int = 65536,
-                           kinds: tuple[type, ...] | None = None, batch_interval: float = 0.05) -> Subscription:
+                           kinds: tuple[type, ...] | None = None, with_state: bool = True) -> Subscription:
         """Call `callback` for every event, in order, on a daemon thread of its own.
 
-        The thread wakes at most once per `batch_interval` seconds and then delivers everything
+        The thread wakes at most once per CALLBACK_INTERVAL seconds and then delivers everything
         queued: waking per event would take CPU time from a memory-bound decode on a small machine."""
-        sub = self.subscribe(maxsize, kinds)
+        sub = self.subscribe(maxsize, kinds, with_state)
 
         def pump() -> None:
             while not sub.closed:
                 first = sub.get(timeout=0.2)
                 if first is None:
                     continue
-                time.sleep(batch_interval)
+                time.sleep(CALLBACK_INTERVAL)
                 for event in [first, *sub.drain()]:
                     try:
                         callback(event)

@@ -3,8 +3,9 @@
 The generator only uses the public Context API (decode, logits, memory ops), so what it does to the
 cache is exactly what a llama.cpp program doing the same calls would do.
 
-Context shift (spec §14, llama-completion's rule), on with `context_shift=True`: before a sequence's
-next token is decoded, if `n_past + 1 >= n_ctx_seq` (llama-completion's `n_past + pending >= n_ctx`),
+Context shift (llama-completion's rule: the "context full, swapping" branch of `main` in
+`tools/completion/completion.cpp`), on with `context_shift=True`: before a sequence's next token is
+decoded, if `n_past + 1 >= n_ctx_seq` (llama-completion's `n_past + pending >= n_ctx`),
 the first `n_keep` positions are kept, half of the rest is discarded with `seq_rm` and the tail is
 moved down with `seq_add`; the keys are re-rotated by the K-shift at the next decode. A decode that
 returns 1 (no slot, e.g. a unified cache shared by several growing sequences) shifts the sequence
@@ -62,6 +63,13 @@ class _Running:
     decoder: object
     last_token: int = -1
     n_keep: int = 0
+
+
+def check_n_predict(n_predict: int) -> None:
+    """n_predict: -1 (no limit), 0 (evaluate the prompt only) or a number of tokens; the command checks it
+    before loading a model."""
+    if n_predict < -1:
+        raise KvscopeError(f"n_predict must be -1 (no limit), 0 (the prompt only) or more, got {n_predict}")
 
 
 def resolve_n_keep(n_keep: int, n_prompt: int, add_bos: bool) -> int:
@@ -144,8 +152,7 @@ class Generator:
         seq_ids = list(range(len(prompts))) if seq_ids is None else list(seq_ids)
         if not prompts:
             raise KvscopeError("no prompts: give at least one")
-        if n_predict < -1:
-            raise KvscopeError(f"n_predict must be -1 (no limit), 0 (the prompt only) or more, got {n_predict}")
+        check_n_predict(n_predict)
         if len(seq_ids) != len(prompts):
             raise KvscopeError(f"{len(prompts)} prompts but {len(seq_ids)} seq ids")
         if len(set(seq_ids)) != len(seq_ids):

@@ -1,5 +1,5 @@
-"""llama.cpp's memory breakdown (spec section 11): bytes of model weights, context (KV cache) and
-compute buffers per device, and the table llama_memory_breakdown_print writes.
+"""llama.cpp's memory breakdown: bytes of model weights, context (KV cache) and compute buffers per
+device, and the table `llama_memory_breakdown_print` writes (src/llama-context.cpp).
 
 The table, as llama.cpp lays it out: one row per GPU the context may use,
 `total = free + (self = model + context + compute) + unaccounted`, then a `Host` row with self,
@@ -43,8 +43,7 @@ def breakdown_by_device(model: dict[Device, int], context: dict[Device, int], co
     return out
 
 
-def breakdown_table(rows: dict[Device, MemoryBreakdown], gpus: Sequence[Device],
-                    prefix: str = "llama_memory_breakdown_print") -> list[str]:
+def breakdown_table(rows: dict[Device, MemoryBreakdown], gpus: Sequence[Device]) -> list[str]:
     """The table's lines. gpus: the context's GPUs, in order; everything else goes to the Host row
     (the CPU) or, if it is neither, a row of its own."""
     def mib(n: int) -> str:
@@ -73,5 +72,5 @@ def breakdown_table(rows: dict[Device, MemoryBreakdown], gpus: Sequence[Device],
     lines = []
     for template, *cells in table:
         padded = [cells[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(cells[1:], widths[1:])]
-        lines.append(template.format(prefix, *padded))
+        lines.append(template.format("llama_memory_breakdown_print", *padded))
     return lines

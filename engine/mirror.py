@@ -30,13 +30,6 @@ class StreamState:
             seq_lists[i].append(int(s))
         return [(int(p), frozenset(sl), int(sh)) for p, sl, sh in zip(self.pos, seq_lists, self.shift)]
 
-    def used(self) -> int:
-        return int(np.count_nonzero(self.pos >= 0))
-
-    def seq_pos_range(self, seq_id: int) -> tuple[int, int]:
-        p = self.pos[self.seq[seq_id]]
-        return (int(p.min()), int(p.max())) if p.size else (-1, -1)
-
 
 @dataclass
 class CacheState:
@@ -58,7 +51,7 @@ class CacheMirror:
 
     def __init__(self) -> None:
         self.caches: dict[str, CacheState] = {}
-        self.created: ev.ContextCreated | None = None
+        self.created: dict[str, ev.ContextCreated] = {}  # the facts of each cache, by cache name
         self.last_decode: ev.DecodeFinished | None = None
         self.stale = False
         self.stats = MirrorStats()
@@ -67,7 +60,8 @@ class CacheMirror:
         self._subscription: ev.Subscription | None = None
 
     def attach(self, bus: ev.EventBus, maxsize: int = 1 << 20) -> ev.Subscription:
-        """Subscribe to a bus; call sync() to apply what arrived."""
+        """Subscribe to a bus; call sync() to apply what arrived. The first events are the current state
+        of every live context on the bus, so a mirror attached late is complete after its first sync()."""
         self._subscription = bus.subscribe(maxsize=maxsize)
         return self._subscription
 
@@ -98,7 +92,7 @@ class CacheMirror:
                 self.stale = True
 
     def _create(self, event: ev.ContextCreated) -> None:
-        self.created = event
+        self.created[event.cache] = event
         self.caches[event.cache] = CacheState(event.cache, event.kv_size, [
             StreamState(np.full(event.kv_size, -1, dtype=np.int64), np.zeros(event.kv_size, dtype=np.int64),
                         np.zeros((MAX_SEQ, event.kv_size), dtype=bool)) for _ in range(event.n_stream)])

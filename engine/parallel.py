@@ -63,6 +63,7 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 
 CONTEXT_EXCEEDED = "Context size has been exceeded."
+REVERSE_PROMPT = "User:"  # llama-parallel stops an answer there and cuts it off
 
 
 @dataclass
@@ -78,6 +79,13 @@ class _Client:
     decoder: object = None
 
 
+def check_system_prompt(system_prompt: str, share_system_prompt: bool) -> None:
+    """A shared system prompt needs text; `kvscope parallel` checks it before loading a model."""
+    if share_system_prompt and not system_prompt:
+        raise KvscopeError("share_system_prompt needs a non-empty system prompt: give one (--system-prompt), or "
+                           "share_system_prompt=False (--no-pps) to have each request decode none")
+
+
 class ParallelRunner:
     """N clients answering requests with continuous batching on one context.
 
@@ -88,8 +96,7 @@ class ParallelRunner:
     """
 
     def __init__(self, ctx: Context, n_clients: int, params: SamplerParams | None = None, *,
-                 system_prompt: str = DEFAULT_SYSTEM_PROMPT, share_system_prompt: bool = True,
-                 reverse_prompt: str | None = "User:") -> None:
+                 system_prompt: str = DEFAULT_SYSTEM_PROMPT, share_system_prompt: bool = True) -> None:
         """share_system_prompt: decode the system prompt once into sequence 0 and copy it (llama-parallel's
         -pps); False: every request decodes it itself, in its own sequence (same tokens)."""
         if ctx.model.tokenizer is None:
@@ -111,10 +118,11 @@ class ParallelRunner:
                                     repeat_last_n=params.repeat_last_n, seed=self.seed)
         self.system_prompt = system_prompt
         self.share_system_prompt = share_system_prompt
-        self.reverse_prompt = reverse_prompt or None
+        check_system_prompt(system_prompt, share_system_prompt)
         self.system_tokens = self.tokenizer.encode(system_prompt) if system_prompt else []
         if share_system_prompt and not self.system_tokens:
-            raise KvscopeError("share_system_prompt needs a non-empty system prompt")
+            raise KvscopeError(f"the system prompt {system_prompt!r} has no tokens, so there is nothing to share; "
+                               f"give one with text, or share_system_prompt=False (--no-pps)")
         self.clients = [_Client(i, i + 1) for i in range(n_clients)]
         self.results: list[RequestResult] = []
         self.cache_misses = 0
@@ -337,8 +345,8 @@ class ParallelRunner:
         r = c.result
         if r.stop_reason:
             return True
-        if self.reverse_prompt and self.reverse_prompt in r.text:
-            r.text = r.text[:r.text.index(self.reverse_prompt)]
+        if REVERSE_PROMPT in r.text:
+            r.text = r.text[:r.text.index(REVERSE_PROMPT)]
             r.stop_reason = "stop_word"
         elif len(r.tokens) >= r.request.n_predict:
             r.stop_reason = "length"

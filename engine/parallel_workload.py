@@ -3,7 +3,6 @@ and arrival steps, drawn from a seed so that a run can be repeated."""
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.errors import KvscopeError
@@ -45,25 +44,23 @@ class Request:
     arrival_step: int = 0
 
 
-def make_schedule(n_sequences: int, *, seed: int | None = None, n_predict: int = 64, n_predict_min: int | None = None,
-                  arrival_gap: int = 2, questions: Sequence[str] = QUESTIONS) -> list[Request]:
-    """A deterministic list of requests: question drawn from `questions`, token budget uniform in
-    [n_predict_min, n_predict] (default min: n_predict // 4, at least 1), and arrival steps whose gaps
-    are uniform in [0, 2 * arrival_gap] (arrival_gap 0: everything arrives at step 0, as in
-    llama-parallel). seed None -> 1234."""
+def make_schedule(n_sequences: int, *, seed: int | None = None, n_predict: int = 64,
+                  arrival_gap: int = 2) -> list[Request]:
+    """A deterministic list of requests: question drawn from QUESTIONS, token budget uniform in
+    [n_predict // 4 (at least 1), n_predict], and arrival steps whose gaps are uniform in
+    [0, 2 * arrival_gap] (arrival_gap 0: everything arrives at step 0, as in llama-parallel).
+    seed None -> 1234."""
     if n_sequences < 0:
         raise KvscopeError(f"n_sequences must be >= 0, got {n_sequences}")
     if n_predict < 1:
         raise KvscopeError(f"n_predict must be >= 1, got {n_predict}")
     if arrival_gap < 0:
         raise KvscopeError(f"arrival_gap must be >= 0, got {arrival_gap}")
-    if not questions:
-        raise KvscopeError("the question list is empty")
-    lo = max(1, n_predict // 4) if n_predict_min is None else max(1, min(n_predict_min, n_predict))
+    lo = max(1, n_predict // 4)
     rng = random.Random(SCHEDULE_SEED if seed is None else seed)
     requests, step = [], 0
     for i in range(n_sequences):
         if i > 0:
             step += rng.randint(0, 2 * arrival_gap)
-        requests.append(Request(i, rng.choice(list(questions)), rng.randint(lo, n_predict), step))
+        requests.append(Request(i, rng.choice(QUESTIONS), rng.randint(lo, n_predict), step))
     return requests

@@ -37,3 +37,13 @@ def tiny_config(**overrides) -> ModelConfig:
 def in_memory_model(seed: int = 0, **overrides) -> Model:
     cfg = tiny_config(**overrides)
     return Model(cfg, None, Transformer(cfg, random_tensors(cfg, seed), torch.float32), "<memory>", "memory", {})
+
+
+def f32_weight_bytes(cfg: ModelConfig) -> tuple[list[int], int]:
+    """Bytes of each layer's weights and of the output layer (norm and lm_head; a tied lm_head is the
+    embedding, of the same size) in f32, counted from the tensors `random_tensors` writes rather than
+    by the engine that places them."""
+    t = random_tensors(cfg)
+    layers = [4 * sum(v.numel() for k, v in t.items() if k.startswith(f"model.layers.{il}."))
+              for il in range(cfg.n_layer)]
+    return layers, 4 * (t["model.norm.weight"].numel() + t["lm_head.weight"].numel())

@@ -11,7 +11,6 @@ Conventions checked here:
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import logging
 import shutil
@@ -38,18 +37,6 @@ from tests.decode_driver import decode_sequences
 TOL = 1e-4
 WINDOW = 8  # tests/conftest.py's SWA_WINDOW
 ARCH_FIXTURES = {"gemma3": "tiny_gemma3_hf", "gemma2": "tiny_gemma2_hf", "mistral": "tiny_mistral_hf"}
-
-
-def _has_iswa() -> bool:
-    try:
-        return importlib.util.find_spec("engine.kv.iswa") is not None
-    except ImportError:
-        return False
-
-
-# Prompts longer than the window need the iSWA pair (a base cache for full-attention layers, a
-# sliding-window cache that reuses cells once the window slid).
-requires_iswa = pytest.mark.skipif(not _has_iswa(), reason="needs the iSWA cache pair (engine.kv.iswa)")
 
 
 @pytest.fixture(scope="module")
@@ -349,7 +336,8 @@ def test_gemma3_variants_match_transformers(tiny_gemma3_hf, tmp_path, change):
 
 
 # ---------------------------------------------------------------------------------------------
-# Beyond the window: the iSWA pair
+# Beyond the window: the iSWA pair (a base cache for full-attention layers, a sliding-window cache
+# that reuses cells once the window slid)
 
 
 def _run_sliding(model: engine.Model, prompts: dict[int, list[int]], n_steps: int, **ctx_kw):
@@ -360,7 +348,6 @@ def _run_sliding(model: engine.Model, prompts: dict[int, list[int]], n_steps: in
     return ctx, seqs, got
 
 
-@requires_iswa
 @pytest.mark.parametrize("file_format", ["hf", "gguf"])
 @pytest.mark.parametrize("arch", ["gemma3", "gemma2"])
 def test_logits_after_the_window_slid_match_transformers(arch, file_format, request, gguf_twins):
@@ -377,7 +364,6 @@ def test_logits_after_the_window_slid_match_transformers(arch, file_format, requ
     assert err < TOL, f"{arch} ({file_format}) after sliding: max |engine - transformers| = {err}"
 
 
-@requires_iswa
 @pytest.mark.parametrize("kv_unified", [True, False])
 @pytest.mark.parametrize("arch", list(ARCH_FIXTURES))
 def test_two_sequences_after_the_window_slid_match_transformers(arch, kv_unified, request):
@@ -401,7 +387,6 @@ def test_mistral_gguf_runs_full_attention_like_llama_cpp(tiny_mistral_hf, gguf_t
     assert _max_err(ctx.all_logits(), hf_logits(tiny_mistral_hf, toks)) > 1e-2
 
 
-@requires_iswa
 @pytest.mark.parametrize("start,delta", [(10, -10), (0, 7)])
 def test_gemma3_k_shift_uses_each_layers_rope_base(tiny_gemma3_hf, start, delta):
     """Shift a 14-token sequence (longer than the window) by delta with a full-size SWA cache (K-shift

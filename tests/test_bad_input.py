@@ -67,13 +67,17 @@ def test_batch_larger_than_n_batch_raises_and_changes_nothing(ctx):
     assert cache_state(ctx) == before
 
 
-@pytest.mark.parametrize("op", [
-    lambda m: m.seq_rm(256, -1, -1), lambda m: m.seq_cp(0, 300, -1, -1), lambda m: m.seq_keep(-2),
-    lambda m: m.seq_add(-1, 0, 1, 1), lambda m: m.seq_div(0, 0, 4, 0), lambda m: m.seq_pos_max(999),
+@pytest.mark.parametrize("op,message", [
+    (lambda m: m.seq_rm(256, -1, -1), "seq_rm: invalid seq_id 256"),
+    (lambda m: m.seq_cp(0, 300, -1, -1), "seq_cp: invalid seq_id 300"),
+    (lambda m: m.seq_keep(-2), "seq_keep: invalid seq_id -2"),
+    (lambda m: m.seq_add(-1, 0, 1, 1), "seq_add: invalid seq_id -1"),
+    (lambda m: m.seq_div(0, 0, 4, 0), "seq_div: divisor 0 must be >= 1"),
+    (lambda m: m.seq_pos_max(999), "seq_pos_max: invalid seq_id 999"),
 ])
-def test_invalid_memory_operations_raise_and_change_nothing(ctx, op):
+def test_invalid_memory_operations_raise_and_change_nothing(ctx, op, message):
     before = cache_state(ctx)
-    with pytest.raises(engine.MemoryOperationError):
+    with pytest.raises(engine.MemoryOperationError, match=message):
         op(ctx.memory)
     assert cache_state(ctx) == before
 
@@ -97,3 +101,27 @@ def test_logits_index_out_of_range_is_named(ctx):
         ctx.logits(2)
     with pytest.raises(IndexError, match="batch token 0 was not marked"):
         ctx.decode(Batch([11, 12], [5, 6], [[0], [0]], [False, True])) or ctx.logits_for_token(0)
+
+
+def test_n_ctx_1_gives_256_cells_but_a_batch_of_one_token():
+    """llama.cpp 0c1e570 with n_ctx = 1 prints n_ctx = 256 and n_batch = n_ubatch = 1, and a 2-token decode
+    then aborts on n_tokens_all <= n_batch; kvscope refuses it with a named error and changes nothing."""
+    ctx = engine.Context(in_memory_model(), n_ctx=1)
+    assert ctx.memory.size == 256
+    lines = ctx.init_log_lines
+    for line in ("llama_context: n_ctx         = 256", "llama_context: n_batch       = 1",
+                 "llama_context: n_ubatch      = 1"):
+        assert line in lines
+    before = cache_state(ctx)
+    with pytest.raises(engine.BatchTooLargeError, match="the batch has 3 tokens but n_batch = 1"):
+        ctx.decode(Batch.for_sequence([5, 6, 7], 0, 0))
+    assert cache_state(ctx) == before
+    for p, t in enumerate([5, 6, 7]):
+        assert ctx.decode(Batch([t], [p], [[0]])) == 0
+    assert ctx.memory.seq_pos_max(0) == 2
+
+
+@pytest.mark.parametrize("kwargs,setting", [(dict(n_batch=0), "n_batch"), (dict(n_ubatch=0), "n_ubatch")])
+def test_a_context_that_could_decode_nothing_is_refused(kwargs, setting):
+    with pytest.raises(engine.ContextParamsError, match=f"{setting} must be >= 1, got 0"):
+        engine.Context(in_memory_model(), **kwargs)

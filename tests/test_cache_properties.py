@@ -1,14 +1,18 @@
-"""Property tests of the KV cache against the spec (docs: /work/shared/spec/llama-kv-cache-behaviour.md).
+"""Property tests of the KV cache against an independent model of llama.cpp's rules (src/llama-kv-cells.h,
+src/llama-kv-cache.cpp, src/llama-batch.cpp, src/llama-context.cpp).
 
 Three layers:
-- `RefCache`: a small, independent pure-Python model of the cell metadata, written from spec
-  sections 2-7 and 10 (not from engine code). It tracks pos / seq set / shift per cell, the heads
-  and has_shift, and decodes through the spec's split strategies, find_slot and apply.
+- `RefCache`: a small, independent pure-Python model of the cell metadata, written from llama.cpp's
+  llama_kv_cells (pos, seq, shift, has_shift), llama_kv_cache's seq_* operations, update, find_slot,
+  apply_ubatch and prepare, llama_batch_allocr::split_simple / split_equal and the decode return codes
+  of llama_context::decode (not from engine code). It tracks pos / seq set / shift per cell, the heads
+  and has_shift, and decodes through those splits, find_slot and apply.
 - `CacheMachine`: a hypothesis state machine that drives a real `Context` (tiny in-memory llama)
   and the reference side by side with random decodes and sequence operations, on 8-16 cell caches
   (unified and split streams, 2-3 seqs, n_ubatch 1-8), and checks after every step that engine,
   reference and event mirror agree cell for cell, plus the structural invariants.
-- Spec scenarios and regression tests that pin engine bugs found by the machine.
+- The scenarios of tests/test_scenarios.py replayed on the reference, and regression tests that pin
+  engine bugs found by the machine.
 """
 from __future__ import annotations
 
@@ -28,17 +32,19 @@ from hypothesis.stateful import (
 
 import engine
 from engine.errors import MemoryOperationError
+from tests.cell_checks import assert_cell_invariants
 from tests.model_factory import in_memory_model
 
 INF = float("inf")
 MODEL = in_memory_model()
 
 
-# ---- reference model (spec §2-7, §10), independent of engine code ----------------------------------
+# ---- reference model of llama.cpp's rules, independent of engine code --------------------------------
 
 
 class RefError(Exception):
-    """An operation the spec says kvscope must refuse, leaving the state unchanged (§18)."""
+    """An operation kvscope refuses, leaving the state unchanged, where llama.cpp would abort on a
+    GGML_ASSERT (README, "Where kvscope deviates from llama.cpp")."""
 
 
 class RefStream:
@@ -64,7 +70,7 @@ class RefCache:
         self.size, self.n_stream, self.n_seq_max = size, n_stream, n_seq_max
         self.streams = [RefStream(size) for _ in range(n_stream)]
 
-    def check_seq(self, s: int) -> None:  # §3: split streams only know seq ids < n_seq_max
+    def check_seq(self, s: int) -> None:  # split streams map only seq ids < n_seq_max to a stream (seq_to_stream)
         if not 0 <= s < (256 if self.n_stream == 1 else self.n_seq_max):
             raise RefError(f"invalid seq {s}")
 
@@ -82,10 +88,10 @@ class RefCache:
         return max(self.positions(s), default=-1)
 
     @staticmethod
-    def rng(p0: int, p1: int) -> tuple[float, float]:  # §6 common: p0 < 0 -> 0, p1 < 0 -> +inf
+    def rng(p0: int, p1: int) -> tuple[float, float]:  # llama_kv_cache::seq_*: p0 < 0 -> 0, p1 < 0 -> +inf
         return (0 if p0 < 0 else p0), (INF if p1 < 0 else p1)
 
-    # §6 sequence operations
+    # llama_kv_cache::seq_rm, seq_cp, seq_keep, seq_add, seq_div (src/llama-kv-cache.cpp)
     def seq_rm(self, s: int, p0: int, p1: int) -> bool:
         if s != -1:
             self.check_seq(s)
@@ -166,21 +172,21 @@ class RefCache:
             if s in c.seq[i] and lo <= c.pos[i] < hi:
                 old = c.pos[i]
                 c.pos[i] = old // d
-                c.shift[i] += old - c.pos[i]  # QUIRK sign (§2)
+                c.shift[i] += old - c.pos[i]  # QUIRK sign: llama_kv_cells::pos_div adds old - new
                 c.has_shift = True
 
     def clear(self) -> None:
         for c in self.streams:
             c.__init__(self.size)
 
-    # §7 update: copies touch only data; the K-shift resets every shift
+    # llama_kv_cache::update: stream copies touch only data; the K-shift resets every shift
     def update(self) -> None:
         if any(c.has_shift for c in self.streams):
             for c in self.streams:
                 c.shift = [0] * self.size
                 c.has_shift = False
 
-    # §4 splits; a token is (pos, seq ids)
+    # llama_batch_allocr::split_simple / split_equal (src/llama-batch.cpp); a token is (pos, seq ids)
     @staticmethod
     def split_simple(toks, n_ubatch):
         return [toks[i:i + n_ubatch] for i in range(0, len(toks), n_ubatch)]
@@ -195,7 +201,7 @@ class RefCache:
             for _, ids in left:
                 if ids[0] not in sets and (not sets or ids[0] == sets[-1] + 1):
                     sets.append(ids[0])
-                    if len(sets) > n_ubatch:  # §18: up to n_ubatch + 1 seqs fit
+                    if len(sets) > n_ubatch:  # split_equal's check lets n_ubatch + 1 seqs in
                         break
             per = {s: [t for t in left if t[1][0] == s] for s in sets}
             rounds = 0
@@ -209,7 +215,7 @@ class RefCache:
             out.append(ub)
         return out
 
-    # §5 find_slot / apply
+    # llama_kv_cache::find_slot / apply_ubatch
     def find_slot(self, c: RefStream, n: int):
         h = 0 if c.head > c.used() + 2 * n else c.head
         if n > self.size:
@@ -217,40 +223,62 @@ class RefCache:
         idxs = [(h + k) % self.size for k in range(self.size) if c.pos[(h + k) % self.size] < 0]
         return idxs[:n] if len(idxs) >= n else None
 
-    def place(self, ub) -> bool:
-        """find_slot for every stream group of the ubatch, then apply; False when a group does not fit."""
+    def find_slots(self, ub):
+        """find_slot for every stream group of the ubatch: [(stream id, tokens, cells)], or None when a
+        group does not fit."""
         if self.n_stream == 1:
-            groups = [(self.streams[0], ub)]
+            groups = [(0, ub)]
         else:
-            groups = [(self.streams[s], [t for t in ub if t[1][0] == s]) for s in sorted({t[1][0] for t in ub})]
-        slots = [self.find_slot(c, len(g)) for c, g in groups]
+            groups = [(s, [t for t in ub if t[1][0] == s]) for s in sorted({t[1][0] for t in ub})]
+        slots = [self.find_slot(self.streams[s], len(g)) for s, g in groups]
         if any(sl is None for sl in slots):
-            return False
-        for (c, g), sl in zip(groups, slots):
+            return None
+        return [(s, g, sl) for (s, g), sl in zip(groups, slots)]
+
+    def apply(self, placed) -> None:
+        for s, g, sl in placed:
+            c = self.streams[s]
             for i, (p, ids) in zip(sl, g):
                 c.pos[i], c.seq[i] = p, set(ids)
             c.head = sl[-1] + 1
-        return True
+
+    def prepare(self, ubs):
+        """llama_kv_cache::prepare, a dry run on a copy: the slots of every ubatch, or None when one does
+        not fit. Either way the heads are restored as llama.cpp restores them (QUIRK "heads after the dry
+        run"): newest first, stream strm[k] of a ubatch's slot gets the old head at INDEX k."""
+        trial = copy.deepcopy(self)
+        saved, plan = [], []
+        for ub in ubs:
+            placed = trial.find_slots(ub)
+            if placed is None:
+                break
+            saved.append(([s for s, _, _ in placed], [c.head for c in trial.streams]))
+            trial.apply(placed)
+            plan.append(placed)
+        for streams, heads_old in reversed(saved):
+            for k, s in enumerate(streams):
+                self.streams[s].head = heads_old[k]
+        return plan if len(plan) == len(ubs) else None
 
     def decode(self, toks, n_ubatch: int, abort_ubatch: int | None = None) -> int:
         """toks: list of (pos, tuple of seq ids), a valid batch. Returns 0, 1, or 2 when the forward
-        pass of ubatch number `abort_ubatch` is aborted (§10)."""
+        pass of ubatch number `abort_ubatch` is aborted (llama_context::decode)."""
         self.update()
         ubs = (self.split_simple(toks, n_ubatch) if self.n_stream == 1
                else self.split_equal_sequential(toks, n_ubatch))
         if ubs is None:
             return 1
-        trial = copy.deepcopy(self)  # prepare: every ubatch must find a slot, else nothing changes
-        if not all(trial.place(ub) for ub in ubs):
+        plan = self.prepare(ubs)
+        if plan is None:
             return 1
+        n_run = len(ubs) if abort_ubatch is None else min(abort_ubatch + 1, len(ubs))
+        for placed in plan[:n_run]:  # the real apply reuses the dry run's slots
+            self.apply(placed)
         if abort_ubatch is None or abort_ubatch >= len(ubs):
-            self.streams = trial.streams
             return 0
-        for ub in ubs[:abort_ubatch + 1]:  # the failing ubatch was applied, then each of its seqs
-            self.place(ub)                 # loses [its smallest pos in that ubatch, +inf)
-        p_min: dict[int, int] = {}
-        for p, ids in ubs[abort_ubatch]:  # llama.cpp keys this by each token's FIRST seq id only
-            p_min[ids[0]] = min(p_min.get(ids[0], p), p)
+        p_min: dict[int, int] = {}  # the failing ubatch was applied, then each of its seqs
+        for p, ids in ubs[abort_ubatch]:  # loses [its smallest pos in that ubatch, +inf); llama.cpp
+            p_min[ids[0]] = min(p_min.get(ids[0], p), p)  # keys this by each token's FIRST seq id only
         for q, p in sorted(p_min.items()):
             self.seq_rm(q, p, -1)
         return 2
@@ -297,8 +325,8 @@ def assert_structural(ctx, mirror, seq_ids) -> None:
     mem = ctx.memory
     mirror.sync()
     for s in range(mem.n_stream):
-        mem.v_cells[s].check_invariants()
         cells = mem.cells(s)
+        assert_cell_invariants(cells)
         assert mem.used(s) == sum(p >= 0 for p, _, _ in cells)
         assert 0 <= mem.head(s) <= mem.size
         assert mirror.cells(s) == cells, f"mirror differs from the engine in stream {s}"
@@ -308,7 +336,6 @@ def assert_structural(ctx, mirror, seq_ids) -> None:
         pos = [p for p, seqs, _ in mem.cells(st_) if q in seqs]
         assert mem.seq_pos_min(q) == min(pos, default=-1)
         assert mem.seq_pos_max(q) == max(pos, default=-1)
-        assert mem.v_cells[st_].seq_positions(q) == dict(Counter(pos))
 
 
 # ---- the state machine -------------------------------------------------------------------------
@@ -332,7 +359,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.ctx, self.mirror = make_ctx(cfg["kv_size"], unified=cfg["unified"], n_seq_max=cfg["n_seq_max"],
                                          n_ubatch=cfg["n_ubatch"], pad=pad)
         self.ref = RefCache(cfg["kv_size"], 1 if cfg["unified"] else cfg["n_seq_max"], cfg["n_seq_max"])
-        # unified memory ops accept any id < 256 (§3); one extra id exercises that
+        # unified memory ops accept any id < 256 (LLAMA_MAX_SEQ); one extra id exercises that
         self.op_seqs = list(range(cfg["n_seq_max"] + (1 if cfg["unified"] else 0)))
 
     # -- strategies that depend on the state
@@ -393,7 +420,7 @@ class CacheMachine(RuleBasedStateMachine):
         if pre_update:
             self.ctx.memory.update()
             self.ref.update()
-        before_cells, before_heads, before_shift = engine_state(self.ctx)
+        before_cells, _, before_shift = engine_state(self.ctx)
         if any(before_shift):  # decode starts with the K-shift, which only zeroes the shifts
             before_cells = [[(p, seqs, 0) for p, seqs, _ in cells] for cells in before_cells]
         before_m = memberships(self.ctx)
@@ -406,19 +433,20 @@ class CacheMachine(RuleBasedStateMachine):
         finally:
             self.ctx.abort_callback = None
         assert rc == expected, f"decode rc {rc}, reference {expected}: {toks}"
-        after_cells, after_heads, _ = engine_state(self.ctx)
-        if rc == 1:
-            assert (after_cells, after_heads) == (before_cells, before_heads), "rc 1 must change nothing"
+        after_cells, _, _ = engine_state(self.ctx)
+        if rc == 1:  # the heads may move (QUIRK "heads after the dry run"); agrees() checks them
+            assert after_cells == before_cells, "rc 1 must change no cell"
         if rc == 0:
             st_ = self.ctx.memory.seq_to_stream
             added = Counter((st_(q), q, p) for p, ids in toks for q in ids)
             assert memberships(self.ctx) == before_m + added, "rc 0 must add exactly the batch's memberships"
         if not unified and any(len(g) > 1 for g in groups):
-            assert rc == 1, "coupled seqs with split streams return 1 (§18)"
+            assert rc == 1, "coupled seqs with split streams return 1 (no ubatch of split_equal takes them)"
 
     @rule(data=st.data())
     def invalid_decode(self, data):
-        """rc -1: the state is untouched; not even the pending update runs (§4, §10)."""
+        """rc -1: the state is untouched; not even the pending update runs (llama_context::decode checks
+        the batch with llama_batch_allocr::init before memory->init_batch)."""
         kind = data.draw(st.sampled_from(["gap", "seq", "token"]), label="invalid kind")
         s = data.draw(st.sampled_from(range(self.cfg["n_seq_max"])), label="seq")
         p = self.ref.pos_max(s) + 1
@@ -430,11 +458,9 @@ class CacheMachine(RuleBasedStateMachine):
             batch = engine.Batch([1], [0], [[self.cfg["n_seq_max"]]])
         else:
             batch = engine.Batch([1, MODEL.n_vocab], [p, p + 1], [[s], [s]])
-        before = engine_state(self.ctx)
-        pending = self.ctx.memory.has_pending_update()
+        before = engine_state(self.ctx), list(self.ctx.memory.pending_copies)
         assert self.ctx.decode(batch) == -1
-        assert engine_state(self.ctx) == before
-        assert self.ctx.memory.has_pending_update() == pending
+        assert (engine_state(self.ctx), self.ctx.memory.pending_copies) == before
 
     @rule(data=st.data())
     def seq_rm(self, data):
@@ -472,7 +498,8 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.cfg["unified"])
     @rule(data=st.data())
     def op_on_foreign_seq(self, data):
-        """Split streams: seq ids >= n_seq_max are refused with the state unchanged (§18)."""
+        """Split streams: seq ids >= n_seq_max are refused with the state unchanged (llama.cpp aborts on
+        the GGML_ASSERT of seq_to_stream)."""
         op = data.draw(st.sampled_from(["seq_rm", "seq_keep", "seq_add", "seq_div", "seq_cp"]), label="op")
         bad = self.cfg["n_seq_max"]
         args = {"seq_rm": (bad, -1, -1), "seq_keep": (bad,), "seq_add": (bad, -1, -1, 1),
@@ -497,7 +524,7 @@ CacheMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=
 TestCacheMachine = CacheMachine.TestCase
 
 
-# ---- the reference against the spec's traced scenarios (§16) ------------------------------------
+# ---- the reference against the scenarios of tests/test_scenarios.py ------------------------------
 
 
 def _both(kv_size, *, unified=True, n_seq_max=3, n_ubatch=8):
@@ -643,25 +670,27 @@ def test_slot_wraps_after_seq_add_frees_a_cell():
     assert _cells(ref)[4] == (3, {1}, 0) and _cells(ref)[0] == (4, {1}, 0) and ref.streams[0].head == 1
 
 
-@pytest.mark.parametrize("n, cell", [(1, 0), (4, 8)])
-def test_find_slot_restart_heuristic(n, cell):
-    """§5 step 2: head > used + 2n restarts the scan at 0."""
+@pytest.mark.parametrize("used, n, cell", [(1, 3, 0), (2, 3, 8), (1, 4, 8)])
+def test_find_slot_restart_heuristic(used, n, cell):
+    """llama_kv_cache::find_slot: head > used + 2n restarts the scan at 0. Head 8 and the bound sit next
+    to each other on both sides: 8 > 1 + 6 restarts; 8 > 2 + 6 and 8 > 1 + 8 do not."""
     ctx, _, ref = _both(16)
     _decode_both(ctx, ref, _seq(0, 0, 8) + _seq(1, 0, 8))
     for x in (ctx.memory, ref):
         x.seq_rm(0, -1, -1)
-        x.seq_add(1, -1, -1, -7)  # frees cells 8-14, head 8; used 1
-    assert ref.streams[0].head == 8 and ref.streams[0].used() == 1
-    _decode_both(ctx, ref, _seq(1, 1, 1 + n))
-    assert _cells(ref)[cell] == (1, {1}, 0)
+        x.seq_add(1, -1, -1, used - 8)  # frees cells 8..15 - used, head 8; seq 1 keeps `used` cells
+    assert ref.streams[0].head == 8 and ref.streams[0].used() == used
+    _decode_both(ctx, ref, _seq(1, used, used + n))
+    assert _cells(ref)[cell] == (used, {1}, 0)
 
 
 def test_split_equal_holds_n_ubatch_plus_one_seqs():
-    """§18: with split streams one ubatch holds up to n_ubatch + 1 seqs, one token each."""
-    assert RefCache.split_equal_sequential([(0, (0,)), (0, (1,)), (0, (2,))], 2) == [
-        [(0, (0,)), (0, (1,)), (0, (2,))]]
-    ctx, _, ref = _both(8, unified=False, n_seq_max=3, n_ubatch=2)
+    """With split streams one ubatch holds up to n_ubatch + 1 seqs, one token each: split_equal
+    (src/llama-batch.cpp) checks the number of sets only after adding one."""
+    ctx, mirror, ref = _both(8, unified=False, n_seq_max=3, n_ubatch=2)
     assert _decode_both(ctx, ref, [(0, (0,)), (0, (1,)), (0, (2,)), (1, (0,))], 2) == 0
+    mirror.sync()
+    assert mirror.last_decode.ubatch_sizes == (3, 1)
 
 
 # ---- regressions: engine bugs this machine found (all fixed in the engine since) ---------------------
@@ -676,7 +705,7 @@ def _prefill(n=3, **kw):
 
 def test_seq_add_whole_range_minus1_minus1_shifts_the_seq():
     """Regression, engine/kv/cache.py KVCache.seq_add: `p0 == p1` was tested before p0 < 0 -> 0 and
-    p1 < 0 -> +inf (spec §6 "Common"; llama.cpp normalizes first), so seq_add(s, -1, -1, d), which
+    p1 < 0 -> +inf (llama_kv_cache::seq_add normalizes first), so seq_add(s, -1, -1, d), which
     shifts the whole sequence, was silently a no-op."""
     ctx, ref = _prefill()
     ctx.memory.seq_add(0, -1, -1, 2)
@@ -704,23 +733,24 @@ def test_seq_add_empty_normalized_range_keeps_head():
 
 def test_seq_add_matching_no_cell_sets_no_pending_shift():
     """Regression, engine/kv/cells.py KVCells.pos_add / pos_div (called by KVCache.seq_add/seq_div with
-    an empty index array) set has_shift although no cell moved. Spec §2: has_shift becomes true through
-    a pos_add/pos_div of a cell; §7: nothing to do -> no update, so no K-shift at the next decode."""
+    an empty index array) set has_shift although no cell moved. In llama_kv_cells (src/llama-kv-cells.h)
+    has_shift becomes true only in pos_add / pos_div of a cell, so llama_kv_cache::update finds nothing
+    to do and the next decode runs no K-shift."""
     ctx, ref = _prefill()
     ctx.memory.seq_add(0, 100, -1, 1)  # nothing in range; head still goes to 0 (S12)
     assert ctx.memory.head(0) == 0
     assert not ctx.memory.v_cells[0].has_shift
     ctx.memory.seq_div(0, 100, -1, 2)
-    assert not ctx.memory.v_cells[0].has_shift
-    assert not ctx.memory.has_pending_update()
+    assert not ctx.memory.v_cells[0].has_shift and not ctx.memory.pending_copies
 
 
 def test_cross_stream_seq_cp_after_seq_div():
     """Regression, engine/kv/cache.py KVCache._seq_cp_across_streams: after seq_div the un-shifted
     position pos - shift can be negative (pos 1 / 2 -> pos 0, shift +1 -> -1). pos_set wrote -1, then
     KVCells.seq_add raised a bare AssertionError after the destination stream was already cleared,
-    leaving a cell with a position and no seq (check_invariants failed) and the mirror unaware.
-    Spec §6: dst gets src's un-shifted position, then the same shift re-applied, so pos/shift match."""
+    leaving a cell with a position and no seq (a broken cell invariant) and the mirror unaware.
+    llama_kv_cache::seq_cp across streams gives dst src's un-shifted position, then re-applies the same
+    shift, so pos/shift match."""
     ctx, ref = _prefill(2, unified=False)
     ctx.memory.seq_div(0, 0, 100, 2)
     ref.seq_div(0, 0, 100, 2)

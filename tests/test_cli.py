@@ -5,8 +5,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import engine
 from engine.cli import main
+from engine.devices import CPU
 
 
 def run(args: list[str], capsys) -> tuple[int, str, str]:
@@ -106,3 +109,226 @@ def test_parallel_accepts_the_device_flags(tiny_llama_gguf, capsys):
 def test_generate_refuses_np_0(capsys):
     rc, _, err = run(["generate", "-p", "And", "-n", "2", "-np", "0"], capsys)
     assert rc == 1 and "error: -np must be >= 1, got 0" in err
+
+
+# ---- settings are checked before the model is loaded --------------------------------------------------------
+@pytest.fixture
+def no_load(monkeypatch):
+    """Loading a model (or, for estimate, reading its headers) fails the test: the error must come first."""
+    import engine.estimate
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("the model was loaded before the settings were checked")
+
+    monkeypatch.setattr(engine, "load_model", refuse)
+    monkeypatch.setattr(engine.estimate, "config_from_headers", refuse)
+
+
+BAD_SETTINGS = [
+    (["-c", "-5"], "sizes must not be negative (n_ctx=-5"),
+    (["-b", "0"], "n_batch must be >= 1, got 0"),
+    (["-ub", "0"], "n_ubatch must be >= 1, got 0"),
+    (["-b", "-1"], "sizes must not be negative"),
+    (["-np", "0"], "-np must be >= 1, got 0"),
+    (["-np", "300"], "n_seq_max = 300 > 256"),
+    (["--pad", "0"], "pad must be >= 1, got 0"),
+    (["-ctk", "q9_9"], "unsupported KV cache type 'q9_9'"),
+    (["-ctv", "q8_0", "-fa", "off"], "quantized V cache requires flash_attn to be enabled"),
+    (["--swa-window", "0"], "swa_window must be >= 1, got 0"),
+    (["-ts", "1,1"], "tensor_split has 2 values for 0 GPUs"),
+    (["--virtual-gpu", "VGPU0=1GiB", "-ts", "-1"], "tensor_split weights must be >= 0"),
+    (["--virtual-gpu", "VGPU0=2XB"], "bad size '2XB'"),
+    (["--virtual-gpu", "VGPU0=1GiB", "-ot", "ffn_.*=GPU9"], "unknown buffer type 'GPU9'"),
+]
+
+
+@pytest.mark.parametrize("command", ["generate", "parallel", "estimate"])
+@pytest.mark.parametrize("flags,message", BAD_SETTINGS, ids=[" ".join(f) for f, _ in BAD_SETTINGS])
+def test_context_settings_are_refused_before_loading(command, flags, message, no_load, monkeypatch, capsys):
+    monkeypatch.setattr("engine.devices.discover_devices", lambda: [CPU])  # "0 GPUs" on any machine
+    if command == "parallel" and flags == ["-np", "300"]:  # one more sequence for the shared system prompt
+        message = "-np must be <= 255 for parallel, got 300: sequence 0 holds the shared system prompt"
+    rc, _, err = run([command, *flags], capsys)
+    assert rc == 1
+    assert f"error: {message}" in err
+
+
+@pytest.mark.parametrize("command,flags,message", [
+    ("generate", ["-n", "-2"], "error: n_predict must be -1 (no limit), 0 (the prompt only) or more, got -2"),
+    ("generate", ["--top-p", "0"], "error: top_p must be in (0, 1]"),
+    ("parallel", ["--temp", "nan"], "error: temperature must be a finite number"),
+    ("parallel", ["-n", "0"], "error: n_predict must be >= 1, got 0"),
+    ("parallel", ["-ns", "-1"], "error: --sequences must be >= 0, got -1"),
+    ("parallel", ["--arrival-gap", "-1"], "error: arrival_gap must be >= 0, got -1"),
+    ("parallel", ["--system-prompt", ""], "error: share_system_prompt needs a non-empty system prompt"),
+])
+def test_generation_settings_are_refused_before_loading(command, flags, message, no_load, capsys):
+    rc, _, err = run([command, *flags], capsys)
+    assert rc in (1, 2)
+    assert message in err
+
+
+@pytest.mark.parametrize("variable,value,message", [
+    ("LLAMA_OFFLOAD_LAYERS", "lots", "error: LLAMA_OFFLOAD_LAYERS = 'lots': expected a number of layers or 'all'"),
+    ("LLAMA_KV_CACHE_DEBUG", "abc", "error: LLAMA_KV_CACHE_DEBUG='abc' is not an integer"),
+])
+def test_environment_is_checked_before_loading(variable, value, message, no_load, monkeypatch, capsys):
+    monkeypatch.setenv(variable, value)
+    rc, _, err = run(["generate"], capsys)
+    assert rc == 1 and message in err
+
+
+def test_good_settings_still_load_and_run(tiny_llama_gguf, capsys):
+    """The checks refuse nothing a context accepts: the smallest sizes and the largest -np run."""
+    rc, _, err = run(["generate", "-m", str(tiny_llama_gguf), "-p", "The", "-n", "1", "-b", "1", "-ub", "1",
+                      "--pad", "1", "-c", "256", "-np", "256", "--temp", "0"], capsys)
+    assert rc == 0, err
+    # taken as given, not clamped: 256 streams of one cell each, batches of one token
+    for line in ("llama_context: n_seq_max     = 256", "llama_context: n_batch       = 1",
+                 "llama_context: n_ubatch      = 1", "(     1 cells,   2 layers, 256/256 seqs)"):
+        assert line in err
+
+
+def short_run(command: str, model) -> list[str]:
+    """A command line that runs `command` on `model` in well under a second."""
+    work = {"generate": ["-p", "The", "-n", "2", "--seed", "1"], "parallel": ["-ns", "1", "-n", "2", "--seed", "1"],
+            "estimate": []}[command]
+    return [command, "-m", str(model), "-c", "512", *work]
+
+
+# ---- LLAMA_KV_CACHE_DEBUG without -v ----------------------------------------------------------------------
+KV_DEBUG_HINT = "warning: LLAMA_KV_CACHE_DEBUG=2: the find_slot dump is printed at debug level; add -v to see it"
+
+
+@pytest.mark.parametrize("command", ["generate", "parallel"])
+def test_kv_cache_debug_without_verbose_says_where_the_dump_is(command, tiny_llama_gguf, monkeypatch, capsys):
+    monkeypatch.setenv("LLAMA_KV_CACHE_DEBUG", "2")
+    rc, _, err = run(short_run(command, tiny_llama_gguf), capsys)
+    assert rc == 0
+    assert err.count(KV_DEBUG_HINT) == 1
+    assert err.index(KV_DEBUG_HINT) < err.index("load_tensors:")  # at start, before the load
+    assert "find_slot:" not in err
+
+
+def test_kv_cache_debug_with_verbose_prints_the_dump_and_no_hint(tiny_llama_gguf, monkeypatch, capsys):
+    monkeypatch.setenv("LLAMA_KV_CACHE_DEBUG", "2")
+    rc, _, err = run(["generate", "-m", str(tiny_llama_gguf), "-p", "The", "-n", "1", "-c", "256", "-v"], capsys)
+    assert rc == 0
+    assert "find_slot: stream[0]" in err and "LLAMA_KV_CACHE_DEBUG=2:" not in err
+
+
+# ---- -ngl without a GPU ------------------------------------------------------------------------------------
+NO_GPU_WARNING = [
+    "warning: no usable GPU found, --gpu-layers option will be ignored",
+    "warning: one possible reason is that torch was installed without GPU support (a CPU-only build)",
+    "warning: to offload layers without a GPU, add a virtual one: --virtual-gpu VGPU0=2GiB",
+]
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    monkeypatch.setattr("engine.devices.discover_devices", lambda: [CPU])
+
+
+@pytest.mark.parametrize("command", ["generate", "parallel", "estimate"])
+def test_gpu_layers_without_a_gpu_warn_as_llama_cpp(command, tiny_llama_gguf, no_gpu, capsys):
+    rc, _, err = run([*short_run(command, tiny_llama_gguf), "-ngl", "4"], capsys)
+    assert rc == 0
+    lines = err.splitlines()
+    assert lines[:3] == NO_GPU_WARNING  # at start, and once
+    assert sum(line.startswith("warning: no usable GPU") for line in lines) == 1
+
+
+def test_offload_layers_env_without_a_gpu_warns_too(tiny_llama_gguf, no_gpu, monkeypatch, capsys):
+    monkeypatch.setenv("LLAMA_OFFLOAD_LAYERS", "all")
+    rc, _, err = run(["generate", "-m", str(tiny_llama_gguf), "-p", "The", "-n", "1", "-c", "256"], capsys)
+    assert rc == 0
+    assert err.splitlines()[:3] == ["warning: no usable GPU found, LLAMA_OFFLOAD_LAYERS=all will be ignored",
+                                    *NO_GPU_WARNING[1:]]
+
+
+@pytest.mark.parametrize("flags", [[], ["-ngl", "0"], ["-ngl", "4", "--virtual-gpu", "VGPU0=64MiB"],
+                                   ["--fit", "-ngl", "4"]])
+def test_no_gpu_warning_when_nothing_is_ignored(flags, tiny_llama_gguf, no_gpu, capsys):
+    rc, _, err = run(["estimate", "-m", str(tiny_llama_gguf), "-c", "256", *flags], capsys)
+    assert rc == 0
+    assert "no usable GPU" not in err
+
+
+# ---- a reader that goes away ----------------------------------------------------------------------------
+@pytest.mark.parametrize("argv", [
+    ["estimate", "--json"],
+    ["estimate"],
+    ["generate", "-p", "The", "-n", "4", "--temp", "0"],
+    ["parallel", "-np", "2", "-ns", "2", "-n", "4", "--seed", "1", "--steps"],
+], ids=" ".join)
+def test_closed_stdout_ends_quietly(argv, tiny_llama_gguf):
+    """`kvscope ... | head -c 10`: the reader closes the pipe; the command stops without a traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", argv[0], "-m", str(tiny_llama_gguf), "-c", "256",
+                             *argv[1:]], stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    proc.stdout.close()  # before the first byte, so that every write fails, whatever the pipe's buffer size
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode in (0, 141), err.decode()
+    assert b"Traceback" not in err and b"BrokenPipeError" not in err and b"Exception ignored" not in err
+
+
+def test_head_reads_the_start_of_the_output(tiny_llama_gguf):
+    """The same through a real shell pipe: `head` gets its bytes, the command leaves no traceback."""
+    proc = subprocess.run(f"{sys.executable} -m engine.cli estimate --json -m {tiny_llama_gguf} | head -c 10",
+                          shell=True, capture_output=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert proc.stdout == b'{\n  "model'
+    assert b"Traceback" not in proc.stderr
+
+
+# ---- usage errors ----------------------------------------------------------------------------------------
+def usage_error(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["generate", "parallel", "estimate"])
+def test_threads_flag_is_refused_with_the_commands_usage(command, capsys):
+    err = usage_error([command, "-t", "4"], capsys)
+    assert err.startswith(f"usage: kvscope {command} ")
+    assert f"kvscope {command}: error: unrecognized arguments: -t 4" in err
+    assert "-t (threads) is not supported: kvscope uses torch's threads" in err
+
+
+def test_unknown_flag_is_named_with_the_commands_usage(capsys):
+    err = usage_error(["generate", "-p", "x", "--bogus", "3"], capsys)
+    assert err.startswith("usage: kvscope generate ")
+    assert "kvscope generate has no flag --bogus; `kvscope generate --help` lists its flags" in err
+
+
+def test_stray_argument_is_named(capsys):
+    err = usage_error(["estimate", "model.gguf"], capsys)
+    assert err.startswith("usage: kvscope estimate ") and "unrecognized arguments: model.gguf" in err
+
+
+def flag_help(command: str) -> dict[str, str]:
+    """Each flag's help text as --help prints it (before wrapping)."""
+    from engine.cli import DefaultsHelpFormatter, build_parser
+
+    sub = build_parser().commands[command]
+    formatter = DefaultsHelpFormatter(prog=sub.prog)
+    return {action.option_strings[0]: formatter._expand_help(action) for action in sub._actions
+            if action.option_strings and action.dest != "help"}
+
+
+@pytest.mark.parametrize("command", ["generate", "parallel", "estimate"])
+def test_every_flag_shows_its_default(command):
+    texts = flag_help(command)
+    assert {"-c", "-ngl", "--virtual-gpu"} <= set(texts)  # the parser's flags were found
+    for flag, text in texts.items():
+        assert "default" in text, f"kvscope {command} {flag}: {text!r}"
+        assert "(default: None)" not in text, f"kvscope {command} {flag}: {text!r}"
+
+
+def test_prompt_and_sampling_flags_have_help():
+    texts = flag_help("generate")
+    for flag in ("-p", "-s", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--repeat-last-n"):
+        assert not texts[flag].startswith(" (default"), f"{flag} has no help of its own"
+    assert texts["--top-k"] == "keep only the K likeliest tokens (<= 0: off) (default: 40)"
+    assert texts["-p"] == "the text to continue (default: Once upon a time)"

@@ -1,6 +1,7 @@
-"""Context shift as llama-completion does it (spec §14): the rule, the cache operations, and the
-logits after the shift checked against a cache built by hand with the kept tokens' K/V at their new
-positions."""
+"""Context shift as llama-completion does it (tools/completion/completion.cpp: when n_past + 1 >= n_ctx,
+seq_rm of n_discard tokens after n_keep, then seq_add of the rest by -n_discard): the rule, the cache
+operations, and the logits after the shift checked against a cache built by hand with the kept tokens'
+K/V at their new positions."""
 from __future__ import annotations
 
 import logging

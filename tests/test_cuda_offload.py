@@ -1,7 +1,8 @@
-"""Layer offload to a real CUDA GPU (spec section 12): the CUDA twins of tests/test_devices.py's
-virtual-device tests. A virtual device keeps every tensor in host memory, so only a real GPU shows that
-weights and K/V really move, that activations cross between torch devices correctly, and that the
-free-memory check reads the driver. Without CUDA every test here is skipped, with the reason shown."""
+"""Layer offload to a real CUDA GPU (llama.cpp's -ngl, llama_model::load_tensors in src/llama-model.cpp):
+the CUDA twins of tests/test_devices.py's virtual-device tests. A virtual device keeps every tensor in
+host memory, so only a real GPU shows that weights and K/V really move, that activations cross between
+torch devices correctly, and that the free-memory check reads the driver. Without CUDA every test here
+is skipped, with the reason shown."""
 from __future__ import annotations
 
 import gc
@@ -165,7 +166,7 @@ def test_kv_that_does_not_fit_the_free_gpu_memory_is_refused_before_anything_is_
     # Wide K/V rows (32 heads x 128, f32): 64 KiB per cell over 2 layers, so a few GiB need few cells.
     model = in_memory_model(n_layer=2, n_head=32, n_head_kv=32, head_dim=128)
     probe = engine.Context(model, n_ctx=256, type_k="f32", type_v="f32")
-    per_cell = probe.memory.layout.buffer_bytes() // probe.n_ctx
+    per_cell = sum(probe.kv_bytes_by_device.values()) // probe.n_ctx
     del probe
     gc.collect()
     free, total = torch.cuda.mem_get_info()

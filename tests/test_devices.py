@@ -1,4 +1,5 @@
-"""Devices and layer placement (spec section 12): llama.cpp's offload rules, log lines, virtual devices."""
+"""Devices and layer placement (llama.cpp's `llama_model::load_tensors`): offload rules, log lines, virtual
+devices."""
 from __future__ import annotations
 
 import gc
@@ -17,11 +18,11 @@ from engine.devices import (
     discover_devices,
     parse_size,
     plan_placement,
+    resolve_gpus,
     virtual_device,
-    virtual_devices,
 )
 from engine.errors import ContextParamsError, DeviceSpecError, KvscopeError
-from tests.model_factory import in_memory_model
+from tests.model_factory import f32_weight_bytes, in_memory_model
 
 N_LAYER = 4
 
@@ -32,12 +33,12 @@ def names(devices) -> list[str]:
 
 @pytest.fixture
 def one_gpu() -> list[Device]:
-    return virtual_devices(["VGPU0=1GiB"])
+    return resolve_gpus(["VGPU0=1GiB"])
 
 
 @pytest.fixture
 def two_gpus() -> list[Device]:
-    return virtual_devices(["VGPU0=3GiB", "VGPU1=1GiB"])
+    return resolve_gpus(["VGPU0=3GiB", "VGPU1=1GiB"])
 
 
 # ---- placement rules ------------------------------------------------------------------------------
@@ -83,7 +84,7 @@ def test_no_gpus_means_all_cpu_and_no_offload_lines():
 
 
 def test_tensor_split_3_1_over_two_virtual_gpus():
-    gpus = virtual_devices(["VGPU0=1GiB", "VGPU1=1GiB"])
+    gpus = resolve_gpus(["VGPU0=1GiB", "VGPU1=1GiB"])
     p = plan_placement(7, -1, gpus, tensor_split=[3, 1])
     # act = 8, split points 0.75, 1: (il - 0)/8 < 0.75 for il 0..5 -> VGPU0; il 6 and output -> VGPU1
     assert names(p.layer_devices) == ["VGPU0"] * 6 + ["VGPU1"] and p.output_device.name == "VGPU1"
@@ -164,13 +165,13 @@ def test_sizes_parse_in_binary_units(text, nbytes):
 ])
 def test_bad_virtual_specs_are_refused(spec, fragment):
     with pytest.raises(DeviceSpecError, match=fragment) as info:
-        virtual_devices([spec])
+        resolve_gpus([spec])
     assert isinstance(info.value, ValueError) and isinstance(info.value, KvscopeError)
 
 
 def test_duplicate_virtual_names_are_refused():
     with pytest.raises(DeviceSpecError, match="already used"):
-        virtual_devices(["VGPU0=1GiB", "vgpu0=2GiB"])
+        resolve_gpus(["VGPU0=1GiB", "vgpu0=2GiB"])
 
 
 def test_virtual_memory_is_accounted_against_capacity():
@@ -191,8 +192,8 @@ def model():
 
 def model_weight_bytes(model) -> int:
     """Every layer's weights plus the output layer's: what a full offload puts on one GPU."""
-    tf = model.transformer
-    return sum(tf.layer_weight_bytes(il) for il in range(model.config.n_layer)) + tf.output_weight_bytes()
+    layers, output = f32_weight_bytes(model.config)
+    return sum(layers) + output
 
 
 def context_bytes(ctx, dev) -> int:
@@ -224,7 +225,7 @@ def test_defaults_keep_everything_on_the_cpu(model):
 
 def test_kv_cache_layers_follow_the_plan(model):
     n_layer = model.config.n_layer
-    gpus = virtual_devices(["VGPU0=1GiB", "VGPU1=1GiB"])
+    gpus = resolve_gpus(["VGPU0=1GiB", "VGPU1=1GiB"])
     ctx = engine.Context(model, n_ctx=256, devices=gpus, n_gpu_layers=n_layer, tensor_split=[1, 1])
     expected = plan_placement(n_layer, n_layer, gpus, [1, 1])
     assert cache_devices(ctx) == {il: d.name for il, d in enumerate(expected.kv_devices)}
@@ -247,7 +248,8 @@ def test_nkvo_keeps_kv_on_the_cpu_and_reserves_nothing(model):
     gpu = virtual_device(f"VGPU0={weights + compute}B")
     ctx = engine.Context(model, n_ctx=256, devices=[gpu], n_gpu_layers=-1, offload_kqv=False)
     assert set(cache_devices(ctx).values()) == {"CPU"} and ctx.placement.output_device is gpu
-    assert ctx.kv_bytes_by_device == {CPU: ctx.memory.layout.buffer_bytes()}
+    cfg = model.config
+    assert ctx.kv_bytes_by_device == {CPU: cfg.n_layer * 2 * 256 * cfg.n_head_kv * cfg.head_dim * 2}  # K and V, f16
     assert gpu.reserved_bytes() == weights + compute and gpu.free_bytes() == 0
 
 
@@ -269,7 +271,7 @@ def test_kv_that_does_not_fit_a_virtual_device_is_refused_before_allocating(mode
 
 def test_reservations_add_up_and_are_released_with_the_context(model):
     probe = engine.Context(model, n_ctx=256)
-    kv = probe.memory.layout.buffer_bytes()
+    kv = probe.kv_bytes_by_device[CPU]
     del probe
     compute = compute_bytes_on(model, "VGPU0", n_ctx=256, n_gpu_layers=-1)
     weights = model_weight_bytes(model)  # reserved once: the contexts share the model's weights
@@ -307,7 +309,46 @@ def test_placement_lines_are_logged(model, caplog):
     assert f"load_tensors: layer {n:3d} assigned to device VGPU0 (virtual), is_swa = 0" in caplog.text
 
 
-# ---- KV buffers per device (spec section 11) ----------------------------------------------------------------
+def api_no_gpu_warning(n_gpu_layers) -> list[str]:
+    return [f"warning: no usable GPU found, n_gpu_layers = {n_gpu_layers} will be ignored",
+            "warning: one possible reason is that torch was installed without GPU support (a CPU-only build)",
+            'warning: to offload layers without a GPU, add a virtual one: devices=["VGPU0=2GiB"]']
+
+
+def warnings_logged(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+@pytest.mark.parametrize("kwargs", [dict(n_gpu_layers=4), dict(n_gpu_layers=-1), dict(n_gpu_layers=2, devices=[])])
+def test_gpu_layers_without_a_gpu_are_ignored_with_llama_cpps_warning(model, kwargs, monkeypatch, caplog):
+    monkeypatch.setattr("engine.devices.discover_devices", lambda: [CPU])
+    with caplog.at_level(logging.WARNING, logger="kvscope"):
+        ctx = engine.Context(model, n_ctx=256, **kwargs)
+    assert set(ctx.placement.layer_devices) == {CPU} and ctx.placement.output_device is CPU
+    assert warnings_logged(caplog) == api_no_gpu_warning(kwargs["n_gpu_layers"])
+
+
+def test_offload_layers_env_without_a_gpu_warns_in_the_api_too(model, monkeypatch, caplog):
+    from engine.estimate import estimate
+
+    monkeypatch.setattr("engine.devices.discover_devices", lambda: [CPU])
+    monkeypatch.setenv("LLAMA_OFFLOAD_LAYERS", "3")
+    with caplog.at_level(logging.WARNING, logger="kvscope"):
+        engine.Context(model, n_ctx=256)
+        estimate("demo", n_ctx=256)
+    assert warnings_logged(caplog) == api_no_gpu_warning(3) * 2
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(n_gpu_layers=0), dict(n_gpu_layers=2, devices=["VGPU0=1GiB"])])
+def test_no_gpu_warning_when_no_layer_is_ignored(model, kwargs, monkeypatch, caplog):
+    monkeypatch.setattr("engine.devices.discover_devices", lambda: [CPU])
+    monkeypatch.delenv("LLAMA_OFFLOAD_LAYERS", raising=False)
+    with caplog.at_level(logging.WARNING, logger="kvscope"):
+        engine.Context(model, n_ctx=256, **kwargs)
+    assert not warnings_logged(caplog)
+
+
+# ---- KV buffers per device (llama_kv_cache's constructor, src/llama-kv-cache.cpp) -------------------------
 def test_init_lines_show_one_kv_buffer_per_device_sorted_by_name(model):
     gpu = virtual_device("VGPU0=1GiB")
     ctx = engine.Context(model, n_ctx=256, devices=[gpu], n_gpu_layers=model.config.n_layer)  # layer 0 on the CPU
@@ -352,10 +393,10 @@ def model4():
 
 
 def expected_weight_bytes(model, placement) -> dict[str, int]:
-    tf, out = model.transformer, {}
+    (layers, output), out = f32_weight_bytes(model.config), {}
     for il, dev in enumerate(placement.layer_devices):
-        out[dev.name] = out.get(dev.name, 0) + tf.layer_weight_bytes(il)
-    out[placement.output_device.name] = out.get(placement.output_device.name, 0) + tf.output_weight_bytes()
+        out[dev.name] = out.get(dev.name, 0) + layers[il]
+    out[placement.output_device.name] = out.get(placement.output_device.name, 0) + output
     return out
 
 
@@ -371,7 +412,7 @@ def expected_bytes_moved(model, placement, n_tokens: int, n_outputs: int) -> int
 
 
 def test_each_device_reserves_its_layer_weights_and_kv(model4):
-    gpus = virtual_devices(["VGPU0=1GiB", "VGPU1=1GiB"])
+    gpus = resolve_gpus(["VGPU0=1GiB", "VGPU1=1GiB"])
     ctx = engine.Context(model4, n_ctx=256, devices=gpus, n_gpu_layers=-1, tensor_split=[1, 1])
     weights = expected_weight_bytes(model4, ctx.placement)
     assert names(ctx.placement.layer_devices) == ["VGPU0", "VGPU0", "VGPU0", "VGPU1"]
@@ -389,7 +430,7 @@ def test_each_device_reserves_its_layer_weights_and_kv(model4):
 
 def test_weights_that_do_not_fit_are_refused_before_anything_is_reserved(model4, monkeypatch):
     probe = engine.Context(model4, n_ctx=256)
-    kv = probe.memory.layout.buffer_bytes()
+    kv = probe.kv_bytes_by_device[CPU]
     del probe
     plan = plan_placement(4, -1, [virtual_device("VGPU9=1GiB")])
     weights = expected_weight_bytes(model4, plan)["VGPU9"]
@@ -411,7 +452,7 @@ def test_weights_that_do_not_fit_are_refused_before_anything_is_reserved(model4,
 
 @pytest.mark.parametrize("ngl, split", [(0, None), (2, None), (4, None), (-1, [1, 1])])
 def test_bytes_moved_per_token_follow_the_plan(model4, ngl, split):
-    gpus = virtual_devices(["VGPU0=1GiB", "VGPU1=1GiB"])[: 1 if split is None else 2]
+    gpus = resolve_gpus(["VGPU0=1GiB", "VGPU1=1GiB"])[: 1 if split is None else 2]
     ctx = engine.Context(model4, n_ctx=256, devices=gpus, n_gpu_layers=ngl, tensor_split=split)
     assert ctx.decode(Batch.for_sequence(PROMPT, seq_id=0, start_pos=0)) == 0
     assert ctx.decode(Batch.for_sequence([3], seq_id=0, start_pos=len(PROMPT))) == 0
@@ -463,16 +504,14 @@ def test_contexts_share_one_weight_placement_and_refuse_another(model4):
 
 def test_tied_output_embedding_counts_on_the_output_device_and_input_stays_on_the_cpu():
     model = in_memory_model(n_layer=4, tie_word_embeddings=True)
-    tf = model.transformer
-    embd_bytes = tf.tok_embd.numel() * F32
-    assert tf.output_weight_bytes() == embd_bytes + tf.norm.numel() * F32  # llama.cpp duplicates it there
+    output_bytes = (model.config.n_vocab + 1) * model.config.n_embd * F32  # the embedding, duplicated, + the norm
     cpu = engine.Context(model, n_ctx=256)
     cpu.decode(Batch.for_sequence(PROMPT, seq_id=0, start_pos=0, all_logits=True))
     reference = cpu.all_logits().clone()
     del cpu
     gpu = virtual_device("VGPU0=1GiB")
     ctx = engine.Context(model, n_ctx=256, devices=[gpu], n_gpu_layers=1)  # only the output layer
-    assert gpu.reserved_bytes() == tf.output_weight_bytes() + context_bytes(ctx, gpu)
+    assert gpu.reserved_bytes() == output_bytes + context_bytes(ctx, gpu)
     assert gpu not in ctx.kv_bytes_by_device  # no layer's K/V there: only the output layer
     ctx.decode(Batch.for_sequence(PROMPT, seq_id=0, start_pos=0, all_logits=True))
     assert torch.equal(ctx.all_logits(), reference)
@@ -481,7 +520,7 @@ def test_tied_output_embedding_counts_on_the_output_device_and_input_stays_on_th
 
 
 def test_kv_cache_logs_each_layers_device_or_filtered_at_debug(caplog):
-    """llama_kv_cache's per-layer debug lines (spec section 11), before each cache's buffer lines."""
+    """llama_kv_cache's per-layer debug lines (its constructor), before each cache's buffer lines."""
     model = engine.load_model("demo")  # gemma3: layers 0-4 sliding, layer 5 full
     with caplog.at_level(logging.DEBUG, logger="kvscope"):
         ctx = engine.Context(model, n_ctx=256, devices=["VGPU0=256MiB"], n_gpu_layers=4)  # layers 3-5 + output

@@ -135,3 +135,44 @@ def test_unsupported_environment_variables_are_not_read():
     source = engine_sources()
     assert not [n for n in names if f'"{n}"' in source]
     assert '"LLAMA_ARG_' not in source
+
+
+# ---- what users can open: no citations of a document they do not have ----------------------------------------
+README = ROOT / "README.md"
+USER_DOCS = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+PRIVATE_CITATION = re.compile(r"spec(?:s|ification)?\s*(?:sections?|§)|§\s*\d", re.I)
+
+
+@pytest.mark.parametrize("path", USER_DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_docs_cite_only_what_users_can_open(path):
+    lines = path.read_text(encoding="utf-8").splitlines()
+    hits = [f"{path.name}:{n}: {line.strip()}" for n, line in enumerate(lines, 1) if PRIVATE_CITATION.search(line)]
+    assert not hits, "cite llama.cpp's source (src/llama-kv-cache.cpp, ...) or kvscope's docs instead:\n" + \
+        "\n".join(hits)
+
+
+# ---- the README's set-up commands ---------------------------------------------------------------------------
+def setup_commands() -> list[str]:
+    text = README.read_text(encoding="utf-8").split("## Set up and go", 1)[1].split("\n## ", 1)[0]
+    return [block.strip() for block in re.findall(r"```sh\n(.*?)```", text, flags=re.S)]
+
+
+def test_readme_has_two_setup_commands_and_running_needs_no_test_dependencies():
+    run_cmd, test_cmd = setup_commands()  # exactly two
+    assert run_cmd.startswith("pip install torch==2.13.0 && pip install -e . && kvscope generate ")
+    assert "[dev]" not in run_cmd
+    assert test_cmd == "pip install torch==2.13.0 && pip install -e '.[dev]' && python -m pytest"
+
+
+def test_ci_runs_the_readmes_test_command():
+    ci_lines = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    assert setup_commands()[1] in ci_lines
+
+
+def test_every_quirk_the_events_carry_is_documented():
+    from engine.kv import cache
+
+    quirks = {name for name in dir(cache) if name.startswith("QUIRK_")}
+    assert {"QUIRK_DRY_RUN_HEADS", "QUIRK_DRY_RUN_PURGE", "QUIRK_DIV_SHIFT"} <= quirks
+    text = section("QUIRKs")
+    assert [q for q in sorted(quirks) if f"`{q}`" not in text] == []

@@ -45,11 +45,12 @@ def assert_estimate_matches(path, settings, dtype="f32"):
         # KV: the caches' buffers as allocated
         assert sum(kv for _, kv, _ in actual.values()) == sum(c.k_bytes() + c.v_bytes() for c in ctx.memory.caches())
         # virtual devices: the ledger holds exactly weights + KV + compute
-        for dev in set(placement_devices(ctx)):
-            if dev.is_virtual:
-                row = next(d for d in est.devices if d.device == dev.name)
-                assert dev.reserved_bytes() == row.total_bytes
-                assert row.capacity == dev.capacity and row.free == dev.capacity
+        virtual = {dev for dev in placement_devices(ctx) if dev.is_virtual}
+        assert len(virtual) == len(settings.get("devices", ()))  # every device given holds something
+        for dev in virtual:
+            row = next(d for d in est.devices if d.device == dev.name)
+            assert dev.reserved_bytes() == row.total_bytes
+            assert row.capacity == dev.capacity and row.free == dev.capacity
         assert est.params == ctx.params
         assert [d.name for d in est.placement.layer_devices] == [d.name for d in ctx.placement.layer_devices]
     finally:

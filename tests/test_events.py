@@ -4,6 +4,7 @@ and stream-copy events, bounded queues that never block decoding, callback threa
 and concurrent publishers."""
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -99,7 +100,8 @@ def test_prefill_in_three_ubatches():
 
 
 def test_failed_decode_is_tentative_only():
-    """rc 1 (spec S2): the dry run's events are all tentative and rolled back; the mirror is unchanged."""
+    """rc 1 (tests/test_scenarios.py's S2): the dry run's events are all tentative and rolled back; the
+    mirror is unchanged."""
     ctx, sub, mirror = make(n_ubatch=2)
     prefill(ctx, 0, 6)
     assert_mirror_matches(ctx, mirror)
@@ -154,7 +156,8 @@ def test_removal_fields():
 
 
 def test_failure_cleanup_reason_on_abort():
-    """Spec S15: abort in the second ubatch; its cells are applied then removed (reason failure_cleanup)."""
+    """tests/test_scenarios.py's S15: abort in the second ubatch; its cells are applied then removed
+    (reason failure_cleanup, as llama_context::decode removes them)."""
     ctx, sub, mirror = make(n_ubatch=2)
     sub.drain()
     calls = iter(range(100))
@@ -193,7 +196,8 @@ def test_kshift_applied_after_seq_add_at_next_decode():
     assert k.n_layers == MODEL.config.n_layer
     assert_mirror_matches(ctx, mirror)
     prefill(ctx, 0, 1, start=5)
-    assert "KShiftApplied" not in kinds(sub.drain()), "the shift must be applied only once"
+    after = kinds(sub.drain())
+    assert after[0] == "DecodeStarted" and "KShiftApplied" not in after, "the shift must be applied only once"
 
 
 def test_seq_div_publishes_cells_shifted_with_quirk_sign():
@@ -209,14 +213,17 @@ def test_seq_div_publishes_cells_shifted_with_quirk_sign():
 
 def test_no_kshift_when_seq_add_moved_nothing():
     """Regression (engine/kv/cells.py pos_add/pos_div set has_shift for an empty index array): a seq_add
-    or seq_div that matches no cell must not make the next decode run a K-shift (spec §2, §7)."""
+    or seq_div that matches no cell must not make the next decode run a K-shift: in llama_kv_cells
+    (src/llama-kv-cells.h) only pos_add / pos_div of a cell set has_shift, and llama_kv_cache::update
+    shifts nothing without it."""
     ctx, sub, _ = make()
     prefill(ctx, 0, 3)
     ctx.memory.seq_add(0, 100, -1, 1)
     ctx.memory.seq_div(0, 100, -1, 2)
     sub.drain()
-    prefill(ctx, 0, 1, start=3)
-    assert "KShiftApplied" not in kinds(sub.drain())
+    assert prefill(ctx, 0, 1, start=3) == 0
+    after = kinds(sub.drain())
+    assert after[0] == "DecodeStarted" and "KShiftApplied" not in after
 
 
 def test_same_stream_seq_cp_is_not_queued():
@@ -229,7 +236,8 @@ def test_same_stream_seq_cp_is_not_queued():
     assert list(e.changes[0].cells) == [1, 2]
     assert e.changes[0].seq_sets() == [frozenset({0, 1})] * 2
     prefill(ctx, 0, 1, start=3)
-    assert "StreamCopyExecuted" not in kinds(sub.drain())
+    after = kinds(sub.drain())
+    assert after[0] == "DecodeStarted" and "StreamCopyExecuted" not in after
     assert_mirror_matches(ctx, mirror)
 
 
@@ -254,7 +262,8 @@ def test_cross_stream_seq_cp_is_queued_and_executed_at_next_decode():
     for k in (r.data for r in ctx.memory.k):  # the copied rows arrived in stream 1
         assert np.array_equal(k[1, :3].float().numpy(), k[0, :3].float().numpy())
     prefill(ctx, 1, 1, start=4)
-    assert "StreamCopyExecuted" not in kinds(sub.drain()), "a queued copy runs once"
+    after = kinds(sub.drain())
+    assert after[0] == "DecodeStarted" and "StreamCopyExecuted" not in after, "a queued copy runs once"
     assert_mirror_matches(ctx, mirror)
 
 
@@ -264,7 +273,7 @@ def test_cross_stream_seq_cp_is_queued_and_executed_at_next_decode():
 def test_bounded_queue_never_blocks_and_reports_drops():
     ctx, full_sub, _ = make()
     full_sub.drain()
-    small = ctx.bus.subscribe(maxsize=3)
+    small = ctx.bus.subscribe(maxsize=3, with_state=False)
     for i in range(6):
         assert prefill(ctx, 0, 1, start=i) == 0  # never drained meanwhile; must not block
     published = full_sub.drain()
@@ -286,8 +295,7 @@ def test_bounded_queue_never_blocks_and_reports_drops():
 def test_mirror_on_a_bounded_queue_goes_stale_and_resyncs():
     ctx, _, _ = make()
     late = engine.CacheMirror()
-    sub = late.attach(ctx.bus, maxsize=8)
-    ctx.publish_state()  # 4 events: placement, device memory, context, snapshot
+    sub = late.attach(ctx.bus, maxsize=8)  # 4 events of state first: placement, device memory, context, snapshot
     for i in range(4):  # 5 events each
         prefill(ctx, 0, 1, start=i)
     assert late.sync() == 8 and sub.dropped == 16 and not late.stale
@@ -332,16 +340,16 @@ def test_subscribe_callback_thread_receives_events():
     ctx.bus.subscribe_callback(lambda e: seen_threads.append(threading.current_thread()))
     prefill(ctx, 0, 3)
     assert done.wait(5)
-    assert kinds(got) == ["DecodeStarted", "CellsAllocated", "SlotsRolledBack", "CellsAllocated",
-                          "DecodeFinished"]
+    assert kinds(got) == ["ModelPlaced", "DeviceMemoryState", "ContextCreated", "MemorySnapshot",  # the state first
+                          "DecodeStarted", "CellsAllocated", "SlotsRolledBack", "CellsAllocated", "DecodeFinished"]
     deadline = time.monotonic() + 5
-    while len(seen_threads) < 5 and time.monotonic() < deadline:
+    while len(seen_threads) < 9 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert seen_threads and all(t is not caller for t in seen_threads)
     sub.close()
     prefill(ctx, 0, 1, start=3)
     time.sleep(0.3)
-    assert len(got) == 5, "a closed subscription gets nothing more"
+    assert len(got) == 9, "a closed subscription gets nothing more"
 
 
 def test_slow_callback_does_not_slow_decoding():
@@ -361,7 +369,7 @@ def test_slow_callback_does_not_slow_decoding():
     assert slow < base * 3 + 0.5, (base, slow)
 
 
-def test_late_joiner_gets_the_state_from_publish_state():
+def test_late_joiner_gets_the_state_when_it_subscribes():
     ctx, _, _ = make(unified=False, n_seq_max=3, n_ubatch=2)
     prefill(ctx, 0, 5)
     prefill(ctx, 2, 3)
@@ -369,11 +377,10 @@ def test_late_joiner_gets_the_state_from_publish_state():
     ctx.memory.seq_add(1, 2, -1, 4)
     ctx.memory.seq_rm(0, 1, 3)
     late = engine.CacheMirror()
-    late.attach(ctx.bus)
-    ctx.publish_state()
+    late.attach(ctx.bus)  # no publish_state(): subscribing hands over the current state
     late.sync()
     assert not late.stale and late.n_stream() == 3
-    assert late.created is not None and late.created.kv_size == ctx.memory.size
+    assert late.created["kv"].kv_size == ctx.memory.size
     assert_mirror_matches(ctx, late)
     prefill(ctx, 1, 1, start=ctx.memory.seq_pos_max(1) + 1)  # and stays in step afterwards
     assert_mirror_matches(ctx, late)
@@ -418,19 +425,23 @@ def test_subscriber_joining_mid_operation_never_sees_none_changes():
     bus = engine.EventBus()
     ctx = engine.Context(MODEL, n_ctx=8, pad=8, n_ubatch=8, n_seq_max=2, kv_unified=True, bus=bus)
     prefill(ctx, 0, 4)
-    build, joined = ctx.memory._stream_cells, []
+    build, joined, late = ctx.memory._stream_cells, [], engine.CacheMirror()
 
     def build_then_someone_subscribes(stream, idxs):
         out = build(stream, idxs)
         if not joined:
             joined.append(bus.subscribe())
+            late.attach(bus)
         return out
 
     ctx.memory._stream_cells = build_then_someone_subscribes
     ctx.memory.seq_rm(0, 1, -1)
-    for e in joined[0].drain():
-        if isinstance(e, ev.CellsChanged):
-            assert all(ch is not None for ch in e.changes), e
+    changed = [e for e in joined[0].drain() if isinstance(e, ev.CellsChanged)]
+    assert changed and all(ch is not None for e in changed for ch in e.changes), changed
+    # and what the watcher was given (the state when it subscribed, then any later event) is the engine's
+    late.sync()
+    assert (late.cells(0), late.head(0)) == (ctx.memory.cells(0), ctx.memory.head(0))
+    assert [p for p, _, _ in late.cells(0)][:4] == [0, -1, -1, -1]
 
 
 def test_an_event_published_during_a_delivery_waits_for_it():
@@ -452,3 +463,20 @@ def test_an_event_published_during_a_delivery_waits_for_it():
     for sub in (first, second):
         assert [e.seq_no for e in sub.drain()] == [0, 1]
     assert (outer.seq_no, nested.seq_no) == (0, 1)
+
+
+def test_a_subscription_can_start_without_the_state():
+    ctx, _, _ = make()
+    prefill(ctx, 0, 2)
+    assert kinds(ctx.bus.subscribe().drain()) == ["ModelPlaced", "DeviceMemoryState", "ContextCreated",
+                                                  "MemorySnapshot"]
+    assert ctx.bus.subscribe(with_state=False).drain() == []
+
+
+def test_a_collected_context_gives_no_state():
+    bus = engine.EventBus()
+    ctx = engine.Context(MODEL, n_ctx=8, pad=8, bus=bus)
+    assert len(bus.subscribe().drain()) == 4
+    del ctx
+    gc.collect()
+    assert kinds(bus.subscribe().drain()) == []

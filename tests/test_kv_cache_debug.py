@@ -59,7 +59,7 @@ def debug_log(caplog):
     return caplog
 
 
-# ---- S4 (spec section 16): multi-seq tokens, plain cache of 8 cells ---------------------------------
+# ---- S4 (tests/test_scenarios.py): multi-seq tokens, plain cache of 8 cells ---------------------------
 S4_BEFORE_PAIR = [  # the state before [s0p3, s1p3]: 0-2:p0-p2{0,1}, h3
     "find_slot: stream[0], n =     3, used =     3, head =     3, size =     8, n_swa =     0",
     "\nMMM.....",
@@ -67,7 +67,7 @@ S4_BEFORE_PAIR = [  # the state before [s0p3, s1p3]: 0-2:p0-p2{0,1}, h3
     "find_slot: stream[0] min[0] =     0, max[0] =     2",
     "find_slot: stream[0] min[1] =     0, max[1] =     2",
 ]
-S4_AFTER_PAIR = [  # spec S4: what the next find_slot prints (llama.cpp said size = 256 only for its padding)
+S4_AFTER_PAIR = [  # S4: what the next find_slot prints (llama.cpp said size = 256 only for its padding)
     "find_slot: stream[0], n =     5, used =     5, head =     5, size =     8, n_swa =     0",
     "\nMMM01...",
     "\n0    1    2    3    3    .    .    .    ",
@@ -78,7 +78,7 @@ S4_AFTER_PAIR = [  # spec S4: what the next find_slot prints (llama.cpp said siz
 
 def test_s4_dump_once_per_unique_seq_of_the_ubatch(debug_log):
     """The decode [s0p3, s1p3] prints the whole block twice (one per unique seq, both the state before
-    it); the probe decode after it prints spec S4's dump."""
+    it); the probe decode after it prints the dump of S4's final state."""
     kv = cache(8, level=3, n_seq_max=10)
     assert decode(kv, seq_run((0, 1), 0, 2)) == 0
     debug_log.clear()
@@ -215,7 +215,8 @@ def test_split_streams_print_each_seq_s_own_stream(debug_log):
 
 # ---- the SWA purge -----------------------------------------------------------------------------------
 def test_s12_purge_line_follows_the_dump_once_in_the_dry_run(debug_log):
-    """Spec S12: decoding pos 10 takes cell 0 (p8) and purges [2, 8], logged by apply_ubatch."""
+    """S12 (tests/test_swa_scenarios.py): decoding pos 10 takes cell 0 (p8) and purges [2, 8], logged by
+    apply_ubatch."""
     kv = cache(8, level=2, n_swa=2, swa_type=SwaType.STANDARD)
     kv.debug_level = 0
     for positions in (seq_run(0, 0, 7), [(0, 8)], [(0, 9)]):

@@ -140,7 +140,8 @@ def test_llama3_rope_scaling_matches_transformers(llama3_scaled_hf, tmp_path, as
 
     path = write_gguf_from_hf(llama3_scaled_hf, tmp_path / "l3.gguf") if as_gguf else llama3_scaled_hf
     model = engine.load_model(path)
-    assert (model.config.rope_scaling is not None) or ("rope_freqs" in model.config.extra)
+    # each format carries the scaling its own way, and only that way (so the logits check below reads it)
+    assert (model.config.rope_scaling is None, "rope_freqs" in model.config.extra) == (as_gguf, as_gguf)
     toks = torch.randint(3, model.n_vocab, (40,), generator=torch.Generator().manual_seed(9)).tolist()
     ctx = engine.Context(model, n_ctx=64, pad=32, type_k="f32", type_v="f32")
     assert ctx.decode(Batch.for_sequence(toks, 0, 0, all_logits=True)) == 0

@@ -1,5 +1,6 @@
-"""Compute buffers and llama.cpp's memory breakdown (spec section 11): per device, model + context +
-compute, the table's layout, and the compute bound against what a decode really takes."""
+"""Compute buffers and llama.cpp's memory breakdown (llama_memory_breakdown_print, src/llama-context.cpp):
+per device, model + context + compute, the table's layout, and the compute bound against what a decode
+really takes."""
 from __future__ import annotations
 
 import gc
@@ -129,7 +130,8 @@ def test_compute_buffers_that_do_not_fit_are_refused():
         engine.Context(model, n_ctx=1024, n_ubatch=1024, devices=[gpu], n_gpu_layers=-1)
     assert gpu.reserved_bytes() == 0
     # a smaller ubatch needs smaller compute buffers: the same device takes it
-    engine.Context(model, n_ctx=1024, n_ubatch=128, devices=[gpu], n_gpu_layers=-1)
+    ctx = engine.Context(model, n_ctx=1024, n_ubatch=128, devices=[gpu], n_gpu_layers=-1)
+    assert ctx.compute_bytes_by_device[gpu] < compute and gpu.reserved_bytes() <= gpu.capacity
 
 
 MEASURE = textwrap.dedent("""

@@ -5,7 +5,7 @@ import gc
 
 import engine
 from engine import events as ev
-from engine.devices import CPU, virtual_devices
+from engine.devices import CPU, resolve_gpus
 
 
 def memory_events(sub) -> list:
@@ -16,7 +16,7 @@ def test_offloaded_context_publishes_placement_reservations_and_releases():
     model = engine.load_model("demo")
     bus = ev.EventBus()
     sub = bus.subscribe()
-    gpu0, gpu1 = virtual_devices(["VGPU0=1GiB", "VGPU1=1GiB"])
+    gpu0, gpu1 = resolve_gpus(["VGPU0=1GiB", "VGPU1=1GiB"])
     ctx = engine.Context(model, n_ctx=256, n_gpu_layers=4, devices=[gpu0, gpu1], tensor_split=[1, 1], bus=bus)
     weights, kv, compute = dict(ctx.weight_bytes_by_device), dict(ctx.kv_bytes_by_device), dict(ctx.compute_bytes_by_device)
     events = memory_events(sub)
@@ -67,7 +67,7 @@ def test_cpu_context_publishes_all_cpu_placement_and_kv():
 
 def test_second_context_with_the_same_placement_shares_the_weights():
     model = engine.load_model("demo")
-    (gpu,) = virtual_devices(["VGPU0=1GiB"])
+    (gpu,) = resolve_gpus(["VGPU0=1GiB"])
     first = engine.Context(model, n_ctx=256, n_gpu_layers=2, devices=[gpu])
     bus = ev.EventBus()
     sub = bus.subscribe()
@@ -95,7 +95,7 @@ def test_watchers_from_the_start_and_late_ones_see_the_same_device_memory():
     bus = ev.EventBus()
     live = engine.CacheMirror()
     live.attach(bus)
-    gpu0, gpu1 = virtual_devices(["VGPU0=1GiB", "VGPU1=1GiB"])
+    gpu0, gpu1 = resolve_gpus(["VGPU0=1GiB", "VGPU1=1GiB"])
     ctx = engine.Context(model, n_ctx=256, n_gpu_layers=5, devices=[gpu0, gpu1], tensor_split=[1, 1], bus=bus)
     live.sync()
     assert mirror_rows(live) == breakdown_rows(ctx)
@@ -103,17 +103,18 @@ def test_watchers_from_the_start_and_late_ones_see_the_same_device_memory():
     assert live.devices.rows["VGPU1"].reserved == gpu1.reserved_bytes() and live.devices.rows["VGPU1"].virtual
 
     late = engine.CacheMirror()
-    late.attach(bus)
-    ctx.publish_state()
+    late.attach(bus)  # the bus hands a late watcher the context's state first
     late.sync()
     assert mirror_rows(late) == breakdown_rows(ctx)
+    assert set(late.created) == {"base", "swa"} and late.created["swa"].n_swa == model.config.n_swa
+    assert late.created["base"].layer_ids == ctx.memory.base.layout.layer_ids
     assert late.devices.rows["VGPU0"].reserved == gpu0.reserved_bytes()
     assert late.devices.placement.layer_devices == live.devices.placement.layer_devices
 
 
 def test_a_context_sharing_the_weights_shows_them_on_its_own_bus():
     model = engine.load_model("demo")
-    (gpu,) = virtual_devices(["VGPU0=1GiB"])
+    (gpu,) = resolve_gpus(["VGPU0=1GiB"])
     first = engine.Context(model, n_ctx=256, n_gpu_layers=3, devices=[gpu])
     bus = ev.EventBus()
     watcher = engine.CacheMirror()

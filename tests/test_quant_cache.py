@@ -1,5 +1,6 @@
 """Quantized K/V cache types (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl): ggml's block bytes, the context's
-validation, sizes and init lines, decoding, and the K-shift on quantized keys (spec sections 1, 7, 11).
+validation (llama_init_from_model, src/llama-context.cpp), sizes and init lines (llama_kv_cache's
+constructor, src/llama-kv-cache.cpp), decoding, and the K-shift on quantized keys (llama_kv_cache::update).
 
 References for the bytes:
 - gguf-py's numpy quantizers (`gguf.quants`), which copy ggml's reference quantizers, for the five
@@ -253,9 +254,9 @@ def test_quantize_is_idempotent_on_its_own_output():
         np.testing.assert_array_equal(q(name, dq(name, b)), b)
 
 
-# ---- sizes and init lines (spec section 11) ------------------------------------------------------------------
+# ---- sizes and init lines (llama_kv_cache's constructor) -----------------------------------------------------
 def layout(type_k: str, type_v: str) -> CacheLayout:
-    """The spec's example: 32 layers, 8 KV heads x 128, 4096 cells, 1 sequence, flash attention on."""
+    """A Llama-3-8B-sized cache: 32 layers, 8 KV heads x 128, 4096 cells, 1 sequence, flash attention on."""
     return CacheLayout(layer_ids=tuple(range(32)), n_embd_k=1024, n_embd_v=1024, n_head_kv=8, head_dim=128,
                        kv_size=4096, n_stream=1, n_seq_max=1, type_k=cache_type(type_k),
                        type_v=cache_type(type_v), v_trans=False)
@@ -274,7 +275,7 @@ def test_init_lines_for_every_type(name, mib):
     ]
 
 
-def test_spec_example_q8_0_k_with_f16_v():
+def test_init_line_of_a_q8_0_k_with_an_f16_v():
     assert layout("q8_0", "f16").init_log_lines()[1] == (
         "llama_kv_cache: size =  392.00 MiB (  4096 cells,  32 layers,  1/1 seqs), "
         "K (q8_0):  136.00 MiB, V (f16):  256.00 MiB")
@@ -409,7 +410,7 @@ def test_quantized_cache_is_not_the_f16_cache(f32_run):
     assert float((f16 - f32_run[1]).abs().max()) < 0.02 < float((q4 - f32_run[1]).abs().max())
 
 
-# ---- K-shift on quantized keys (spec section 7) ----------------------------------------------------------------
+# ---- K-shift on quantized keys (llama_kv_cache::update) -------------------------------------------------------
 @pytest.mark.parametrize("name", ["q8_0", "q4_0", "q5_1", "iq4_nl"])
 def test_k_shift_requantizes_the_roped_keys(name):
     model = in_memory_model(n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=64)

@@ -1,9 +1,12 @@
-"""Spec §16 scenarios (non-SWA: S1-S9, S11, S15) and §18 observations, as exact cell tables.
+"""Numbered scenarios of llama.cpp's KV cache (full attention: S1-S9, S11, S15; the sliding-window ones
+are in test_swa_scenarios.py) and further observations of it, as exact cell tables. The expected tables
+follow llama.cpp's rules: src/llama-kv-cache.cpp (llama_kv_cache::find_slot, apply_ubatch, the seq_*
+operations, update), src/llama-kv-cells.h and llama_context::decode (src/llama-context.cpp).
 
 Every scenario runs on a real context over a tiny in-memory llama (2 layers, n_head_kv 2, head_dim 8).
 `pad` replaces llama.cpp's 256 padding so that a cache has 8 cells. After EVERY step the cache is
 also rebuilt from the event bus (engine.CacheMirror) and compared with the engine, cell for cell and
-head for head. Cell tables are written in the spec's notation: `idx:pPOS{seqs}[shift]`, ranges as
+head for head. Cell tables are written as `idx:pPOS{seqs}[shift]`, ranges as
 `0-4:p0-p4{0}`; cells not listed are empty.
 """
 from __future__ import annotations
@@ -47,7 +50,7 @@ _CELL = re.compile(r"(\d+)(?:-(\d+))?:p(\d+)(?:-p(\d+))?\{([\d,]*)\}(?:\[([+-]?\
 
 
 def table(text: str, size: int = 8) -> list[tuple[int, frozenset[int], int]]:
-    """Spec notation -> the engine's cells() list. `2-4:p5-p7{0,1}` expands to three cells."""
+    """Table notation -> the engine's cells() list. `2-4:p5-p7{0,1}` expands to three cells."""
     cells = [(-1, frozenset(), 0)] * size
     for item in text.split():
         m = _CELL.match(item)
@@ -154,7 +157,7 @@ def fresh_layer0_keys(model, tokens, positions) -> torch.Tensor:
     return run.mem.k[0].data[0, :len(tokens)].clone()
 
 
-# ---- §16 scenarios ---------------------------------------------------------------------------------
+# ---- scenarios ------------------------------------------------------------------------------------
 def s1_prefill(model, n_ubatch: int = 8) -> Run:
     run = Run(model, n_ubatch=n_ubatch)
     assert run.decode(seq_range(0, 0, 4)) == 0
@@ -213,7 +216,7 @@ def test_s3_shared_prefix_and_shared_cell_shift(model):
     run.expect_seq(0, 10, 11)
     run.expect_seq(1, 2, 11)
     assert run.mem.v_cells[0].has_shift
-    # Beyond the spec's table: the next decode applies the K-shift (+10) and places from h0.
+    # The next decode applies the K-shift (+10) and places from h0.
     assert run.decode([(1, 12)]) == 0
     run.expect("0:p10{0,1} 1:p11{0,1} 2:p2{1} 3:p3{1} 4:p4{1} 5:p12{1}", head=6)
     assert not run.mem.v_cells[0].has_shift
@@ -239,7 +242,6 @@ def test_s5_seq_rm_all_seqs_leaves_a_gap(model):
     assert run.op("seq_rm", -1, 1, 3) is True
     run.expect("0:p0{0} 2:p0{1} 6:p3{0}", head=1)
     run.expect_seq(0, 0, 3)  # gap: positions {0, 3}
-    assert run.mem.v_cells[0].seq_positions(0) == {0: 1, 3: 1}
     run.expect_seq(1, 0, 0)
     assert run.decode([(1, 1)]) == 0
     run.expect("0:p0{0} 1:p1{1} 2:p0{1} 6:p3{0}", head=2)
@@ -294,12 +296,12 @@ def test_s8_seq_div_quirk(model):
     assert run.decode(seq_range(0, 0, 7)) == 0
     before = run.k_rows(range(4, 8))
     run.op("seq_div", 0, 4, 8, 2)
-    # QUIRK §2: shift accumulates old - new (the opposite sign of pos_add).
+    # QUIRK (llama_kv_cells::pos_div): shift accumulates old - new (the opposite sign of pos_add).
     run.expect("0-3:p0-p3{0} 4:p2{0}[+2] 5:p2{0}[+3] 6:p3{0}[+3] 7:p3{0}[+4]", head=8)  # seq_div keeps the head
-    assert run.mem.v_cells[0].seq_positions(0) == {0: 1, 1: 1, 2: 3, 3: 3}
     run.expect_seq(0, 0, 3)
-    # The next decode runs the update first; the cache is full, so it then returns 1 (§10), with the
-    # K-shift already applied and the shifts reset.
+    # The next decode runs the update first (llama_context::decode calls memory->update before
+    # init_batch); the cache is full, so it then returns 1, with the K-shift already applied and the
+    # shifts reset.
     assert run.decode([(0, 4)]) == 1
     run.expect("0-3:p0-p3{0} 4:p2{0} 5:p2{0} 6:p3{0} 7:p3{0}", head=8)
     assert not run.mem.v_cells[0].has_shift
@@ -425,7 +427,7 @@ def test_abort_cleanup_uses_each_tokens_first_seq_id(model):
     run.expect_seq(1, 0, 3)
 
 
-# ---- §18 observations (full-attention caches) ----------------------------------------------------------
+# ---- further observations (full-attention caches) ------------------------------------------------------
 def test_decode_seq_id_at_or_above_n_seq_max_is_invalid_even_unified(model):
     run = Run(model, n_seq_max=2)
     assert run.decode(seq_range(0, 0, 1)) == 0
@@ -538,7 +540,7 @@ def test_same_stream_seq_cp_into_a_seq_already_sharing_cells_is_refused(model):
     run.expect("0-3:p0-p3{0,1}", head=4)
 
 
-# ---- details of §6/§7 the scenarios rely on -----------------------------------------------------------
+# ---- details of the seq_* operations and update the scenarios rely on ---------------------------------
 def test_seq_add_full_range_with_negative_bounds(model):
     """p0 < 0 -> 0 and p1 < 0 -> +inf are applied before the empty-range check (llama.cpp)."""
     run = Run(model)
@@ -562,7 +564,7 @@ def test_seq_add_with_nothing_in_range_resets_the_head_but_sets_no_shift(model):
     run.op("seq_add", 3, -1, -1, 1)  # a seq absent from the cache: head 0 too
     run.op("seq_div", 0, 100, -1, 2)
     run.expect("0-4:p0-p4{0}", head=0)
-    assert not run.mem.v_cells[0].has_shift and not run.mem.has_pending_update()
+    assert not run.mem.v_cells[0].has_shift and not run.mem.pending_copies
     assert run.decode([(0, 5)]) == 0
     assert not any(isinstance(e, ev.KShiftApplied) for e in run.events)
 

@@ -3,6 +3,7 @@ Python API and in every command."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -11,9 +12,10 @@ import engine
 from engine import events as ev
 from engine.batch import Batch
 from engine.cli import build_parser, main
-from engine.devices import virtual_devices
+from engine.devices import resolve_gpus
 from engine.errors import ContextParamsError
 from engine.estimate import estimate
+from engine.settings_aliases import check_context_settings, check_swa_window
 from tests.model_factory import in_memory_model
 
 COMMANDS = ("generate", "parallel", "estimate")
@@ -54,14 +56,14 @@ def test_cli_kvsize_sizes_the_cache(capsys):
 # ---- LLAMA_OFFLOAD_LAYERS --------------------------------------------------------------------------------
 def test_offload_layers_env_is_the_default_of_n_gpu_layers(monkeypatch):
     model = in_memory_model(n_layer=4)
-    gpu = virtual_devices(["VGPU0=1GiB"])
+    gpu = resolve_gpus(["VGPU0=1GiB"])
     monkeypatch.setenv("LLAMA_OFFLOAD_LAYERS", "2")
     ctx = engine.Context(model, n_ctx=256, devices=gpu)
     assert [d.name for d in ctx.placement.layer_devices] == ["CPU", "CPU", "CPU", "VGPU0"]
     del ctx
     assert engine.Context(model, n_ctx=256, devices=gpu, n_gpu_layers=0).placement.output_device.name == "CPU"
     monkeypatch.setenv("LLAMA_OFFLOAD_LAYERS", "all")
-    assert estimate("demo", n_ctx=256, devices=virtual_devices(["VGPU0=1GiB"])).placement.n_gpu_layers == 7
+    assert estimate("demo", n_ctx=256, devices=resolve_gpus(["VGPU0=1GiB"])).placement.n_gpu_layers == 7
     monkeypatch.setenv("LLAMA_OFFLOAD_LAYERS", "lots")
     with pytest.raises(ContextParamsError, match="LLAMA_OFFLOAD_LAYERS = 'lots': expected a number of layers or 'all'"):
         engine.Context(model, n_ctx=256, devices=gpu)
@@ -119,3 +121,56 @@ def test_estimate_follows_swa_window(demo):
     ctx = engine.Context(demo, **settings)
     assert est.devices[0].kv_bytes == sum(c.k_bytes() + c.v_bytes() for c in ctx.memory.caches())
     assert est.devices[0].kv_bytes < estimate("demo", n_ctx=1024, n_ubatch=64, pad=32).devices[0].kv_bytes
+
+
+# ---- checks that need no model (the commands run them before loading) ---------------------------------------
+GOOD_SETTINGS = dict(n_ctx=0, n_batch=2048, n_ubatch=512, n_seq_max=1, pad=256, type_k="f16", type_v="f16",
+                     flash_attn="auto")
+
+
+@pytest.mark.parametrize("bad", [
+    dict(pad=0), dict(n_ctx=-5), dict(n_ubatch=-1), dict(n_seq_max=257), dict(flash_attn="maybe"),
+    dict(type_k="q9_9"), dict(type_v="q8_0", flash_attn="off"),
+], ids=str)
+def test_settings_checks_say_what_the_context_says(bad):
+    """The context's own message starts the check's one (the check may add the fix)."""
+    with pytest.raises(ContextParamsError) as checked:
+        check_context_settings(**{**GOOD_SETTINGS, **bad})
+    with pytest.raises(ContextParamsError) as context:
+        engine.Context(in_memory_model(), **{**GOOD_SETTINGS, **bad})
+    assert str(checked.value).startswith(str(context.value).split(";")[0])
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(n_batch=0), "n_batch must be >= 1, got 0: no batch could be decoded"),
+    (dict(n_ubatch=0), "n_ubatch must be >= 1, got 0: no ubatch could be computed"),
+    (dict(n_seq_max=300), "n_seq_max = 300 > 256: llama.cpp's contexts hold at most 256 sequences"),
+])
+def test_settings_checks_need_no_model(bad, message):
+    with pytest.raises(ContextParamsError, match=re.escape(message)):
+        check_context_settings(**{**GOOD_SETTINGS, **bad})
+
+
+@pytest.mark.parametrize("settings,n_seq_max", [
+    (dict(type_k="q8_0"), 1),  # no head size known yet: the block check waits for the model
+    (dict(n_seq_max=0), 1),  # the context takes at least one sequence, as llama.cpp
+])
+def test_settings_checks_pass_what_the_context_takes(settings, n_seq_max):
+    check_context_settings(**{**GOOD_SETTINGS, **settings})
+    model = in_memory_model(head_dim=32, n_embd=64, n_head=2, n_head_kv=1)  # heads of one q8_0 block
+    ctx = engine.Context(model, **{**GOOD_SETTINGS, **settings, "n_ctx": 256})
+    assert ctx.n_seq_max == n_seq_max and ctx.memory.layout.type_k.name == settings.get("type_k", "f16")
+
+
+def test_block_size_is_checked_when_head_sizes_are_given():
+    check_context_settings(**{**GOOD_SETTINGS, "type_k": "q8_0"}, head_dims=(64, 64))
+    with pytest.raises(ContextParamsError, match="K cache type q8_0 with block size 32 does not divide "
+                                                 "n_embd_head_k=40"):
+        check_context_settings(**{**GOOD_SETTINGS, "type_k": "q8_0"}, head_dims=(40,))
+
+
+def test_swa_window_is_checked_without_a_model():
+    check_swa_window(None)
+    check_swa_window(1)
+    with pytest.raises(ContextParamsError, match="swa_window must be >= 1, got 0"):
+        check_swa_window(0)

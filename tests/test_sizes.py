@@ -1,9 +1,12 @@
-"""Context sizing (spec section 1) and the init lines with llama.cpp's byte counts (section 11)."""
+"""Context sizing (llama_context's constructor, src/llama-context.cpp) and the init lines with llama.cpp's
+byte counts (llama_kv_cache's constructor, src/llama-kv-cache.cpp)."""
 from __future__ import annotations
 
 import pytest
 
 from engine.context import ContextParams
+from engine.devices import CPU
+from engine.errors import ContextParamsError
 from engine.kv.layout import CacheLayout
 from engine.kv.types import cache_type
 
@@ -31,8 +34,29 @@ def test_context_sizes(kw, n_ctx, n_ctx_seq, n_stream):
 def test_batch_sizes_are_clamped():
     p = resolve(n_ctx=512, n_batch=2048, n_ubatch=4096)
     assert (p.n_batch, p.n_ubatch) == (512, 512)
-    p = resolve(n_ctx=4096, n_batch=1024, n_ubatch=0)
+    p = resolve(n_ctx=4096, n_batch=1024, n_ubatch=2048)
     assert (p.n_batch, p.n_ubatch) == (1024, 1024)
+
+
+@pytest.mark.parametrize("kw,n_ctx,n_batch,n_ubatch", [
+    (dict(n_ctx=1), 256, 1, 1),  # llama.cpp 0c1e570 prints n_ctx = 256, n_ubatch = 1
+    (dict(n_ctx=32, n_seq_max=3, kv_unified=True), 256, 32, 32),  # 0c1e570's log: n_ctx 256, n_batch 32, n_ubatch 32
+    (dict(n_ctx=300), 512, 300, 300),
+    (dict(n_ctx=0), 4096, 2048, 512),  # 0 = n_ctx_train, then the batch bound
+    (dict(n_ctx=100, n_seq_max=3), 768, 100, 100),  # the bound is the requested n_ctx, not 3 x 256
+])
+def test_batch_is_bounded_by_the_requested_n_ctx_before_rounding(kw, n_ctx, n_batch, n_ubatch):
+    p = resolve(**kw)
+    assert (p.n_ctx, p.n_batch, p.n_ubatch) == (n_ctx, n_batch, n_ubatch)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(n_batch=0), "n_batch must be >= 1, got 0"),
+    (dict(n_ubatch=0), "n_ubatch must be >= 1, got 0"),
+])
+def test_a_batch_size_of_zero_is_refused(kw, message):
+    with pytest.raises(ContextParamsError, match=message):
+        resolve(**kw)
 
 
 @pytest.mark.parametrize("flash_attn,v_trans", [("auto", False), ("on", False), ("off", True)])
@@ -46,7 +70,7 @@ def layout(kv_size=4096, n_layer=32, n_head_kv=8, head_dim=128, type_k="f16", ty
                        n_seq_max=n_seq_max, type_k=cache_type(type_k), type_v=cache_type(type_v), v_trans=False)
 
 
-def test_spec_example_init_lines():
+def test_init_lines_of_a_32_layer_4096_cell_f16_cache():
     lines = layout().init_log_lines()
     assert lines == [
         "llama_kv_cache:        CPU KV buffer size =   512.00 MiB",
@@ -65,7 +89,7 @@ def test_f32_and_split_streams_line():
 def test_buffer_size_rounds_each_tensor_to_32_bytes():
     lo = layout(kv_size=3, n_layer=2, n_head_kv=1, head_dim=5, type_k="f16", type_v="f16")
     assert lo.k_bytes_per_layer() == 30
-    assert lo.buffer_bytes() == 2 * (32 + 32)
+    assert lo.buffer_bytes_by_device() == {CPU: 2 * (32 + 32)}
 
 
 def test_context_beyond_training_length_is_flagged():

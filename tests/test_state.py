@@ -1,5 +1,6 @@
-"""State save/restore (spec section 13): byte format, bit-exact round trips, the placement rules of
-whole and single-sequence restores, every refusal and the state it leaves, and watcher mirrors."""
+"""State save/restore (src/llama-kv-cache.cpp llama_kv_cache::state_write/state_read): byte format,
+bit-exact round trips, the placement rules of whole and single-sequence restores, every refusal and
+the state it leaves, and watcher mirrors."""
 from __future__ import annotations
 
 import struct
@@ -80,7 +81,7 @@ def next_logits(ctx: Context, tokens, pos, seqs) -> torch.Tensor:
     return ctx.all_logits().clone()
 
 
-# ---- an independent parser of spec section 13, for format checks ----------------------------------
+# ---- an independent parser of llama_kv_cache::state_write's format, for format checks -------------
 class Parser:
     def __init__(self, data: bytes) -> None:
         self.data, self.off = data, 0
@@ -186,7 +187,7 @@ def test_whole_round_trip_is_bit_exact(model, kv_unified, flash_attn, type_k):
     dst = make_ctx(model, kv_unified=kv_unified, flash_attn=flash_attn, type_k=type_k)
     decode(dst, [1, 2, 3, 4], [0, 1, 2, 3], [1, 1, 1, 1])  # overwritten by the restore
     assert dst.state_set_data(data) == len(data)
-    # cells come back compactly at 0..n-1 with every head at 0 (spec 13)
+    # cells come back compactly at 0..n-1 with every head at 0 (llama_kv_cache::state_read_meta)
     for (name, s, cells, head), (_, _, cells_dst, head_dst) in zip(view(src), view(dst)):
         assert cells_dst == cells
         assert head_dst == 0

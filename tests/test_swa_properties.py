@@ -14,6 +14,7 @@ from engine import events as ev
 from engine.kv.iswa import KVCacheISWA
 from engine.kv.swa import SwaType
 from engine.mirror import CacheMirror
+from tests.cell_checks import assert_cell_invariants
 from tests.test_swa_scenarios import Driver, make_cache
 
 N_SEQ = 3
@@ -34,8 +35,7 @@ def positions_of(cache, seq_id: int) -> set[int]:
 def check(memory, swa_cache, n_swa: int, swa_type: SwaType, decoded_max: dict[int, int],
           window_floor: dict[int, int]) -> None:
     for cache in memory.caches():
-        for c in cache.v_cells:
-            c.check_invariants()
+        assert_cell_invariants(cache.cells(0))
         assert 0 <= cache.head(0) <= cache.size
     for s in range(N_SEQ):
         present = positions_of(swa_cache, s)
@@ -44,7 +44,8 @@ def check(memory, swa_cache, n_swa: int, swa_type: SwaType, decoded_max: dict[in
         top = decoded_max.get(s, -1)
         if top >= 0 and swa_type == SwaType.STANDARD:
             # what the sequence's next token (at top + 1) still attends to: (top + 1) - p < n_swa. Not below
-            # an earlier window's start: cells masked then may have been reused (spec 5, as llama.cpp does),
+            # an earlier window's start: cells masked then may have been reused (llama.cpp's
+            # llama_kv_cache::find_slot reuses a masked cell of a single sequence, src/llama-kv-cache.cpp),
             # so removing a sequence's tail does not bring those positions back.
             window = set(range(max(0, top + 2 - n_swa, window_floor.get(s, 0)), top + 1))
             assert window <= present, f"seq {s} lost positions inside its window: {sorted(window - present)}"

@@ -1,6 +1,8 @@
-"""Sliding-window scenarios of spec section 16 (S10, S12, S13, S14, S16) as exact cell tables.
+"""Sliding-window scenarios (S10, S12, S13, S14, S16; the full-attention ones are in test_scenarios.py) as
+exact cell tables, following llama.cpp's llama_kv_cache::find_slot and apply_ubatch (src/llama-kv-cache.cpp)
+and is_masked_swa (src/llama-hparams.cpp).
 
-The caches are built directly (kv sizes chosen freely, as in the spec) and driven through the same
+The caches are built directly (kv sizes chosen freely, below llama.cpp's padding) and driven through the same
 steps as Context.decode: batch validation, update, split + dry run, apply. The model's forward
 pass does not change cell metadata, so it is left out here; the logits of sliding-window models
 are checked against transformers in test_architectures.py.
@@ -68,7 +70,7 @@ class Driver:
 
 
 def table(cache: KVCache, stream: int = 0) -> str:
-    """Cells in the spec's notation: 'idx:pPOS{seqs}' for every non-empty cell."""
+    """Cells in test_scenarios.py's notation: 'idx:pPOS{seqs}' for every non-empty cell."""
     out = []
     for i, (pos, seqs, shift) in enumerate(cache.cells(stream)):
         if pos >= 0:
@@ -76,10 +78,10 @@ def table(cache: KVCache, stream: int = 0) -> str:
     return " ".join(out)
 
 
-def expand(spec: str) -> str:
-    """'0-2:p5-p7{0}' -> '0:p5{0} 1:p6{0} 2:p7{0}' so tables can be written as the spec writes them."""
+def expand(text: str) -> str:
+    """'0-2:p5-p7{0}' -> '0:p5{0} 1:p6{0} 2:p7{0}' so tables can be written with ranges."""
     parts = []
-    for item in spec.split():
+    for item in text.split():
         m = re.fullmatch(r"(\d+)-(\d+):p(\d+)-p(\d+)(\{[\d,]*\})", item)
         if m:
             a, b, p, q, seqs = m.groups()
@@ -179,8 +181,9 @@ def test_s16_symmetric_swa(bus_mirror):
 
 
 def test_masked_single_seq_cells_only_are_reused(bus_mirror):
-    """Cells with two sequences are never reused, however old (spec section 5 step 4); the purge
-    that keeps seq 0 gap-free then removes seq 0 from them."""
+    """Cells with two sequences are never reused, however old (llama_kv_cache::find_slot reuses a masked
+    cell only when it holds a single sequence); the purge that keeps seq 0 gap-free then removes seq 0
+    from them."""
     bus, mirror = bus_mirror
     swa = make_cache(bus, 4, n_swa=1, swa_type=SwaType.STANDARD)
     d = Driver(swa, bus, mirror)

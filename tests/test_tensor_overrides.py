@@ -1,8 +1,10 @@
-"""`-ot REGEX=DEVICE`: weights overridden onto other devices (spec section 12), their accounting, the
-activation copies they cost, and the refusals."""
+"""`-ot REGEX=DEVICE`: weights overridden onto other devices (llama.cpp's --override-tensor, applied in
+llama_model::load_tensors, src/llama-model.cpp), their accounting, the activation copies they cost, and
+the refusals."""
 from __future__ import annotations
 
 import gc
+import json
 import logging
 
 import pytest
@@ -12,11 +14,11 @@ import engine
 from engine import events as ev
 from engine.batch import Batch
 from engine.cli import main
-from engine.devices import CPU, plan_placement, virtual_devices
+from engine.devices import CPU, plan_placement, resolve_gpus
 from engine.errors import DeviceSpecError
 from engine.estimate import estimate
 from engine.weight_devices import parse_tensor_overrides, plan_weight_devices
-from tests.model_factory import in_memory_model
+from tests.model_factory import f32_weight_bytes, in_memory_model
 
 F32 = 4
 PROMPT = [1, 5, 9, 2, 7]
@@ -25,7 +27,7 @@ N_LAYER = 4
 
 @pytest.fixture
 def gpu():
-    return virtual_devices(["VGPU0=1GiB"])[0]
+    return resolve_gpus(["VGPU0=1GiB"])[0]
 
 
 @pytest.fixture
@@ -111,10 +113,9 @@ def test_ffn_down_on_the_cpu_costs_two_copies_per_layer_and_changes_no_logit(mod
     assert ctx.perf.bytes_moved == per_token * (len(PROMPT) + 1)
     # the bytes follow the tensors: ffn_down weights on the CPU, the rest of the layers on VGPU0
     down = cfg.n_ff * cfg.n_embd * F32
-    tf = model.transformer
-    layers = sum(tf.layer_weight_bytes(il) for il in range(N_LAYER))
-    assert ctx.model_bytes_by_device[gpu] == layers - N_LAYER * down + tf.output_weight_bytes()
-    assert ctx.model_bytes_by_device[CPU] == N_LAYER * down + tf.tok_embd.numel() * F32
+    layers, output = f32_weight_bytes(cfg)
+    assert ctx.model_bytes_by_device[gpu] == sum(layers) - N_LAYER * down + output
+    assert ctx.model_bytes_by_device[CPU] == N_LAYER * down + cfg.n_vocab * cfg.n_embd * F32  # + token_embd
     assert gpu.reserved_bytes() == (ctx.model_bytes_by_device[gpu] + ctx.kv_bytes_by_device[gpu]
                                     + ctx.compute_bytes_by_device[gpu])
 
@@ -153,7 +154,7 @@ def test_overridden_tensors_are_logged_and_published(model, gpu, caplog):
 
 
 def test_a_refused_override_leaves_no_trace(model, gpu):
-    with pytest.raises(DeviceSpecError):
+    with pytest.raises(DeviceSpecError, match="kvscope stores these tensors as one matrix"):
         engine.Context(model, n_ctx=256, devices=[gpu], n_gpu_layers=-1, tensor_overrides=["attn_v=CPU"])
     gc.collect()
     assert gpu.reserved_bytes() == 0
@@ -161,7 +162,7 @@ def test_a_refused_override_leaves_no_trace(model, gpu):
 
 
 def test_estimate_follows_the_overrides(tiny_llama_gguf):
-    settings = dict(n_ctx=256, n_gpu_layers=-1, devices=virtual_devices(["VGPU0=1GiB"]),
+    settings = dict(n_ctx=256, n_gpu_layers=-1, devices=resolve_gpus(["VGPU0=1GiB"]),
                     tensor_overrides=["ffn_(gate|up|down)=CPU", "output=CPU"])
     est = estimate(tiny_llama_gguf, **settings)
     ctx = engine.Context(engine.load_model(tiny_llama_gguf), **settings)
@@ -171,7 +172,17 @@ def test_estimate_follows_the_overrides(tiny_llama_gguf):
 
 
 def test_cli_takes_ot(capsys):
-    assert main(["estimate", "--virtual-gpu", "VGPU0=1GiB", "-ngl", "all", "-c", "256",
-                 "-ot", "ffn_.*=CPU", "--json"]) == 0
+    argv = ["estimate", "--virtual-gpu", "VGPU0=1GiB", "-ngl", "all", "-c", "256", "--json"]
+
+    def model_bytes() -> dict[str, int]:
+        return {d["device"]: d["model_bytes"] for d in json.loads(capsys.readouterr().out)["devices"]}
+
+    assert main([*argv, "-ot", "ffn_.*=CPU"]) == 0
+    overridden = model_bytes()
+    api = estimate("demo", n_ctx=256, n_gpu_layers=-1, devices=["VGPU0=1GiB"], tensor_overrides=["ffn_.*=CPU"])
+    assert overridden == {d.device: d.model_bytes for d in api.devices}
+    assert main(argv) == 0
+    plain = model_bytes()  # without -ot the MLP weights go to VGPU0 with their layers
+    assert overridden["CPU"] > plain["CPU"] and overridden["VGPU0"] < plain["VGPU0"]
     assert main(["estimate", "--virtual-gpu", "VGPU0=1GiB", "-ngl", "all", "-ot", "ffn_.*=GPU9"]) == 1
     assert "unknown buffer type 'GPU9'" in capsys.readouterr().err

@@ -6,6 +6,11 @@ the Hugging Face names the rest of kvscope uses, with llama.cpp's Q/K row permut
 only: qwen2 and Gemma are stored unpermuted), and a `ModelConfig` built from the metadata the way
 llama.cpp's llama_model::load_hparams reads it. Every failure is a `ModelFileError` naming the file.
 
+Tensor errors speak GGUF: a missing, mis-shaped, cut or undecodable tensor is named as the file names
+it (`blk.2.ffn_down.weight`, not the Hugging Face name kvscope uses inside), with shapes in ggml order
+(ne0, the contiguous row length, first), as llama.cpp's llama_model_loader and gguf-py print them.
+The checks read tensor infos only, before any data is decoded (`check_tensor_infos`).
+
 Architectures and their keys:
 - gemma3: `gemma3.attention.sliding_window` (absent or 0: no sliding window, as in llama.cpp), layer
   pattern 6 (il % 6 < 5 slides), `rope.freq_base` for full-attention layers and 10000 for sliding
@@ -29,7 +34,9 @@ Example:
 """
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +46,12 @@ import numpy as np
 import torch
 
 from engine.errors import ModelFileError, UnsupportedArchitectureError
-from engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from engine.models.config import (
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    RopeScaling,
+    expected_tensor_shapes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +102,8 @@ GEMMA3_ROPE_BASE_SWA = 10000.0  # llama.cpp's hard-coded RoPE base of gemma3's s
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _LAYER_NAME_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
+# said wherever a GGUF error gives a shape: the reverse of what a numpy/torch user expects
+GGML_ORDER = "(ggml order, ne0 first, as llama.cpp and gguf-py list dimensions; numpy/torch order is the reverse)"
 
 
 @dataclass(frozen=True)
@@ -159,8 +173,6 @@ def permute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def open_gguf(path: str | Path) -> Any:
     """A `gguf.GGUFReader` on `path`, with every way a file can be bad turned into ModelFileError."""
-    import gguf
-
     path = Path(path)
     if not path.is_file():
         raise ModelFileError(f"{path}: no such GGUF file")
@@ -172,26 +184,76 @@ def open_gguf(path: str | Path) -> Any:
             f"{path}: not a GGUF file (the first 4 bytes are {magic!r}, a GGUF starts with {GGUF_MAGIC!r})"
         )
     try:
-        reader = gguf.GGUFReader(path)
+        return _reader_class()(path)
+    except _TensorInfoError as exc:
+        raise ModelFileError(f"{path}: {exc}") from None
     except Exception as exc:  # GGUFReader raises ValueError, IndexError, KeyError, ... on bad bytes
         raise ModelFileError(
             f"{path}: corrupt or truncated GGUF ({file_size} bytes): the file ends before the data its "
             f"header describes, or the header is damaged ({type(exc).__name__}: {exc}); "
             "download or convert it again"
         ) from exc
-    _check_tensor_extents(reader, path, file_size)
-    return reader
 
 
-def _check_tensor_extents(reader: Any, path: Path, file_size: int) -> None:
-    """Raise if a tensor's data runs past the end of the file (a cut download reads as garbage)."""
-    for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > file_size or t.data.nbytes != int(t.n_bytes):
-            raise ModelFileError(
-                f"{path}: truncated GGUF: tensor {t.name!r} needs bytes [{t.data_offset}, {end}) "
-                f"but the file has {file_size} bytes; download or convert it again"
-            )
+class _TensorInfoError(Exception):
+    """A tensor info that gguf-py cannot use; open_gguf prefixes the path."""
+
+
+@functools.cache
+def _reader_class() -> type:
+    """gguf.GGUFReader, checking each tensor info before gguf-py maps its data: gguf-py reports a cut
+    file, a partial quantization block or an unknown type as a numpy error that names no tensor."""
+    import gguf
+
+    class TensorCheckingReader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+            for field in fields:
+                _check_tensor_info(field, start_offs, int(self.data.size))
+            super()._build_tensors(start_offs, fields)
+
+    return TensorCheckingReader
+
+
+def _check_tensor_info(field: Any, data_start: int, file_size: int) -> None:
+    """Raise _TensorInfoError naming a tensor whose type is unknown, whose rows are not whole blocks
+    of its type, or whose data runs past the end of the file."""
+    import gguf
+
+    if len(field.parts) != 6:
+        return  # a gguf-py with another layout: its own (unnamed) errors still stop a bad file
+    _, name_data, _, dims, raw_type, offset = field.parts  # length, name, n_dims, dims, type, offset
+    name, ne = bytes(name_data).decode("utf-8", errors="replace"), [int(d) for d in dims]
+    try:
+        qtype = gguf.GGMLQuantizationType(int(raw_type[0]))
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError):
+        raise _TensorInfoError(
+            f"tensor {name!r} has ggml type id {int(raw_type[0])}, which gguf-py {_gguf_version()} does not know; "
+            "the file is damaged or newer than gguf-py: update gguf (pip install -U gguf), or download or "
+            "convert the model again"
+        ) from None
+    if ne and ne[0] % block:
+        raise _TensorInfoError(
+            f"tensor {name!r} is {qtype.name} with shape {ne} {GGML_ORDER}, but {qtype.name} stores rows in "
+            f"blocks of {block} values and ne0 = {ne[0]} is not a multiple of {block}; the file is damaged: "
+            "download or convert it again"
+        )
+    start = data_start + int(offset[0])
+    end = start + math.prod(ne) // block * type_size
+    if end > file_size:
+        raise _TensorInfoError(
+            f"truncated GGUF: tensor {name!r} needs bytes [{start}, {end}) but the file has {file_size} bytes; "
+            "download or convert it again"
+        )
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gguf")
+    except PackageNotFoundError:  # a vendored copy has no package metadata
+        return "(unknown version)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,10 +466,12 @@ def config_from_gguf_metadata(
 # Tensors
 
 
-def dequantize_tensor(reader_tensor: Any, path: str | Path) -> torch.Tensor:
-    """A float32 torch copy of one GGUF tensor, in numpy/torch dimension order."""
-    import gguf
+def ggml_shape(reader_tensor: Any) -> tuple[int, ...]:
+    """A GGUF tensor's dimensions as the file lists them: ggml order, ne0 (the row length) first."""
+    return tuple(int(d) for d in reader_tensor.shape.tolist())
 
+
+def _check_decodable(reader_tensor: Any, path: str | Path) -> None:
     type_name = reader_tensor.tensor_type.name
     if type_name not in SUPPORTED_TENSOR_TYPES:
         raise ModelFileError(
@@ -415,33 +479,103 @@ def dequantize_tensor(reader_tensor: Any, path: str | Path) -> torch.Tensor:
             f"dequantize; supported: {', '.join(SUPPORTED_TENSOR_TYPES)}. Requantize the model with "
             "llama-quantize (e.g. to Q8_0)"
         )
-    shape = tuple(int(d) for d in reversed(reader_tensor.shape.tolist()))  # GGUF order is reversed
+
+
+def dequantize_tensor(reader_tensor: Any, path: str | Path) -> torch.Tensor:
+    """A float32 torch copy of one GGUF tensor, in numpy/torch dimension order."""
+    import gguf
+
+    _check_decodable(reader_tensor, path)
+    ne = ggml_shape(reader_tensor)
     try:
         values = gguf.quants.dequantize(reader_tensor.data, reader_tensor.tensor_type)
-        values = np.asarray(values, dtype=np.float32).reshape(shape)
+        values = np.asarray(values, dtype=np.float32).reshape(ne[::-1])
     except Exception as exc:
         raise ModelFileError(
-            f"{path}: tensor {reader_tensor.name!r} ({type_name}, shape {list(shape)}) cannot be decoded: {exc}"
+            f"{path}: tensor {reader_tensor.name!r} ({reader_tensor.tensor_type.name}, shape {list(ne)} "
+            f"{GGML_ORDER}) cannot be decoded: {exc}"
         ) from exc
     # copy: the reader's arrays are views of a read-only memory map of the file
     return torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
 
 
+def expected_ggml_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a GGUF of `config` must hold, under its llama.cpp name, with its ggml shape."""
+    shapes = {}
+    for hf_name, shape in expected_tensor_shapes(config).items():
+        gguf_name = gguf_tensor_name(hf_name, config.arch)
+        assert gguf_name is not None, f"no llama.cpp name for {hf_name} of {config.arch}"
+        shapes[gguf_name] = shape[::-1]
+    return shapes
+
+
+def check_tensor_infos(reader: Any, config: ModelConfig, path: str | Path) -> None:
+    """Check that the file holds every tensor `config` needs, with the right shape and a type kvscope
+    decodes, from the tensor infos alone (no data is read).
+
+    Raises:
+        ModelFileError: naming the file, the tensor as the file names it, and the shapes in ggml order.
+    """
+    found = {t.name: t for t in reader.tensors}
+    needed = expected_ggml_shapes(config)
+    if ROPE_FREQS_TENSOR in found:
+        needed[ROPE_FREQS_TENSOR] = (config.head_dim // 2,)  # one factor per rotated dimension pair
+    for name, shape in needed.items():
+        if name not in found:
+            raise ModelFileError(
+                f"{path}: tensor {name!r} is missing; the header's hyper-parameters need it with shape "
+                f"{list(shape)} {GGML_ORDER}; convert the model again"
+            )
+        have = ggml_shape(found[name])
+        if have != shape:
+            raise ModelFileError(
+                f"{path}: tensor {name!r} has shape {list(have)} but the header's hyper-parameters need "
+                f"{list(shape)} {GGML_ORDER}; convert the model again"
+            )
+        _check_decodable(found[name], path)
+
+
+def config_from_reader(reader: Any, metadata: dict[str, Any], path: str | Path,
+                       rope_freqs: torch.Tensor | None = None) -> ModelConfig:
+    """config_from_gguf_metadata, completed from the tensor infos: the vocabulary size when the header
+    has no tokens, and whether output.weight and attention biases are present."""
+    shapes = {t.name: ggml_shape(t) for t in reader.tensors}
+    embed = shapes.get("token_embd.weight")
+    return config_from_gguf_metadata(
+        metadata,
+        path=path,
+        embedding_rows=embed[-1] if embed else None,  # ne1 of a well-formed token_embd
+        has_output="output.weight" in shapes,
+        has_attention_bias="blk.0.attn_q.bias" in shapes,
+        rope_freqs=rope_freqs,
+    )
+
+
 def _undo_permutation(tensors: dict[str, torch.Tensor], config: ModelConfig) -> None:
     """llama.cpp permutes Q/K rows (weights and biases) of llama models only (Mistral included, which
     converts to llama); qwen2, gemma2 and gemma3 are stored as is."""
-    if config.arch != "llama":
+    if config.arch != "llama" or config.head_dim % 2:
         return
     for name in list(tensors):
         if ".self_attn.q_proj." in name:
-            n_head = config.n_head
+            tensors[name] = unpermute_qk(tensors[name], config.n_head)
         elif ".self_attn.k_proj." in name:
-            n_head = config.n_head_kv
-        else:
-            continue
-        # a tensor of the wrong size is left alone here; the shape check in load.py names it
-        if tensors[name].shape[0] == n_head * config.head_dim and config.head_dim % 2 == 0:
-            tensors[name] = unpermute_qk(tensors[name], n_head)
+            tensors[name] = unpermute_qk(tensors[name], config.n_head_kv)
+
+
+def _decode_needed(reader: Any, config: ModelConfig, path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors `config` needs, decoded and renamed to Hugging Face names, with their storage types."""
+    needed = expected_ggml_shapes(config)
+    tensors: dict[str, torch.Tensor] = {}
+    tensor_types: dict[str, str] = {}
+    for rt in reader.tensors:
+        if rt.name in needed:
+            hf_name = hf_tensor_name(rt.name, config.arch)
+            tensors[hf_name] = dequantize_tensor(rt, path)
+            tensor_types[hf_name] = rt.tensor_type.name
+        elif rt.name != ROPE_FREQS_TENSOR:
+            logger.warning("%s: skipping tensor %r, which kvscope does not use", path, rt.name)
+    return tensors, tensor_types
 
 
 def read_gguf(path: str | Path) -> GGUFContents:
@@ -451,37 +585,22 @@ def read_gguf(path: str | Path) -> GGUFContents:
         path: a `.gguf` file.
 
     Returns:
-        GGUFContents; tensors llama.cpp keeps but kvscope does not use are skipped (logged).
+        GGUFContents holding exactly the tensors the config needs, with the shapes it implies;
+        tensors llama.cpp keeps but kvscope does not use are skipped (logged).
 
     Raises:
-        ModelFileError: the file is missing, not GGUF, truncated, or holds a type kvscope cannot decode.
+        ModelFileError: the file is missing, not GGUF or truncated, or a tensor is missing, mis-shaped
+            or of a type kvscope cannot decode; tensors are named as in the file, shapes in ggml order.
         UnsupportedArchitectureError: general.architecture is not one of SUPPORTED_ARCHITECTURES.
     """
     path = Path(path)
     reader = open_gguf(path)
     metadata = metadata_from_reader(reader, path)
-    arch = _arch_of(metadata, path)  # fail on the architecture before decoding any tensor
-    tensors: dict[str, torch.Tensor] = {}
-    tensor_types: dict[str, str] = {}
-    rope_freqs: torch.Tensor | None = None
-    for rt in reader.tensors:
-        if rt.name == ROPE_FREQS_TENSOR:
-            rope_freqs = dequantize_tensor(rt, path)
-            continue
-        hf_name = hf_tensor_name(rt.name, arch)
-        if hf_name is None:
-            logger.warning("%s: skipping tensor %r, which kvscope does not use", path, rt.name)
-            continue
-        tensors[hf_name] = dequantize_tensor(rt, path)
-        tensor_types[hf_name] = rt.tensor_type.name
-    embed = tensors.get("model.embed_tokens.weight")
-    config = config_from_gguf_metadata(
-        metadata,
-        path=path,
-        embedding_rows=None if embed is None else int(embed.shape[0]),
-        has_output="lm_head.weight" in tensors,
-        has_attention_bias="model.layers.0.self_attn.q_proj.bias" in tensors,
-        rope_freqs=rope_freqs,
-    )
+    _arch_of(metadata, path)  # fail on the architecture before decoding any tensor
+    rope_freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS_TENSOR), None)
+    config = config_from_reader(reader, metadata, path,
+                                rope_freqs=None if rope_freqs is None else dequantize_tensor(rope_freqs, path))
+    check_tensor_infos(reader, config, path)
+    tensors, tensor_types = _decode_needed(reader, config, path)
     _undo_permutation(tensors, config)
     return GGUFContents(config=config, tensors=tensors, tensor_types=tensor_types, metadata=metadata)

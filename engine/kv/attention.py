@@ -1,5 +1,5 @@
 """Per-ubatch attention inputs: store the ubatch's K/V in the cache, read every visible row, and the
-KQ mask built from the cells (spec section 8)."""
+KQ mask built from the cells (llama_kv_cache::set_input_kq_mask, src/llama-kv-cache.cpp)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from engine import events as ev
+from engine.arguments import flag_arg, int_arg, ints
 from engine.batch import BatchAllocator, UBatch
 from engine.devices import Device, as_device
 from engine.errors import MemoryOperationError
@@ -29,10 +30,15 @@ log = logging.getLogger("kvscope.kv")
 
 POS_INF = np.iinfo(np.int64).max
 
-QUIRK_DRY_RUN_PURGE = ("llama.cpp QUIRK (spec 5c): the SWA purge of a dry run is not rolled back, even when the "
-                       "decode then fails")
-QUIRK_DIV_SHIFT = ("llama.cpp QUIRK (spec 2): seq_div accumulates old - new as the shift, so the next K-shift "
-                   "turns the keys away from the new positions")
+# The texts the events carry for llama.cpp behaviour that looks unintended; views show them as is.
+QUIRK_DRY_RUN_PURGE = ("llama.cpp QUIRK (src/llama-kv-cache.cpp, llama_kv_cache::prepare): the SWA purge of a "
+                       "dry run is not rolled back, even when the decode then fails")
+QUIRK_DIV_SHIFT = ("llama.cpp QUIRK (src/llama-kv-cells.h, llama_kv_cells::pos_div): seq_div accumulates "
+                   "old - new as the shift, so the next K-shift turns the keys away from the new positions")
+QUIRK_DRY_RUN_HEADS = ("llama.cpp QUIRK (src/llama-kv-cache.cpp, llama_kv_cache::prepare): the dry run restores "
+                       "each stream's head from the old head at the stream's index in the ubatch's slot, not at "
+                       "its id, so a head takes another stream's old value ({streams}); the real apply sets it "
+                       "again, so it lasts only after a failed decode")
 
 # (k [N, n_head_kv, head_dim] float32, delta [N] int64) -> keys re-rotated by delta positions
 KeyShifter = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -108,13 +114,13 @@ class KVCache:
     # ---- state views ----------------------------------------------------------------------
     def cells(self, stream: int = 0) -> list[tuple[int, frozenset[int], int]]:
         """One (pos, seq ids, shift) per cell of a stream; pos -1 when empty."""
-        return self.v_cells[self._check_stream(stream)].cell_tuples()
+        return self.v_cells[self._check_stream(stream, "cells")].cell_tuples()
 
     def head(self, stream: int = 0) -> int:
-        return self.v_heads[self._check_stream(stream)]
+        return self.v_heads[self._check_stream(stream, "head")]
 
     def used(self, stream: int = 0) -> int:
-        return self.v_cells[self._check_stream(stream)].get_used()
+        return self.v_cells[self._check_stream(stream, "used")].get_used()
 
     def can_shift(self) -> bool:
         return True
@@ -122,7 +128,8 @@ class KVCache:
     def seq_to_stream(self, seq_id: int) -> int:
         return 0 if self.n_stream == 1 else seq_id
 
-    def _check_stream(self, stream: int) -> int:
+    def _check_stream(self, stream: int, op: str) -> int:
+        stream = int_arg(stream, "stream", op)
         if not 0 <= stream < self.n_stream:
             raise MemoryOperationError(f"stream {stream} does not exist; this cache has {self.n_stream} stream(s)")
         return stream
@@ -135,10 +142,12 @@ class KVCache:
 
     # ---- sequence operations ----------------------------------------------------------------
     def seq_pos_min(self, seq_id: int) -> int:
+        seq_id = int_arg(seq_id, "seq_id", "seq_pos_min")
         self._check_seq(seq_id, "seq_pos_min")
         return self.v_cells[self.seq_to_stream(seq_id)].seq_pos_min(seq_id)
 
     def seq_pos_max(self, seq_id: int) -> int:
+        seq_id = int_arg(seq_id, "seq_id", "seq_pos_max")
         self._check_seq(seq_id, "seq_pos_max")
         return self.v_cells[self.seq_to_stream(seq_id)].seq_pos_max(seq_id)
 
@@ -146,6 +155,7 @@ class KVCache:
                tentative: bool = False, keep_head: bool = False) -> bool:
         """Remove seq_id (all sequences when -1) from the cells with positions in [p0, p1).
         keep_head: leave the heads alone (the SWA purge of apply_ubatch, see there)."""
+        seq_id, p0, p1 = ints("seq_rm", seq_id=seq_id, p0=p0, p1=p1)
         if seq_id != -1:
             self._check_seq(seq_id, "seq_rm")
         lo, hi = position_range(p0, p1)
@@ -172,15 +182,17 @@ class KVCache:
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Make dst share src's cells in [p0, p1). Across streams the whole stream is copied."""
-        self.check_seq_cp(src, dst, p0, p1)
+        src, dst, p0, p1 = self.check_seq_cp(src, dst, p0, p1)
         s_src, s_dst = self.seq_to_stream(src), self.seq_to_stream(dst)
         if s_src == s_dst:
             self._seq_cp_same_stream(s_src, src, dst, p0, p1)
         else:
             self._seq_cp_across_streams(s_src, s_dst, src, dst, p0, p1)
 
-    def check_seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
-        """Raise what seq_cp would refuse (llama.cpp aborts there), changing nothing."""
+    def check_seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> tuple[int, int, int, int]:
+        """Raise what seq_cp would refuse (llama.cpp aborts there), changing nothing; returns the
+        arguments as ints."""
+        src, dst, p0, p1 = ints("seq_cp", src=src, dst=dst, p0=p0, p1=p1)
         self._check_seq(src, "seq_cp")
         self._check_seq(dst, "seq_cp")
         s_src, s_dst = self.seq_to_stream(src), self.seq_to_stream(dst)
@@ -191,12 +203,13 @@ class KVCache:
                 raise MemoryOperationError(
                     f"seq_cp({src}, {dst}): sequence {dst} already shares cells with {src} in that range; "
                     f"remove it first with seq_rm({dst}, ...)")
-            return
+            return src, dst, p0, p1
         last = self.size - 1
         if not ((p0 <= 0 or p0 >= last) and (p1 < 0 or p1 >= last or p1 == 0)):
             raise MemoryOperationError(
                 f"seq_cp({src}, {dst}, {p0}, {p1}): with split streams only a full-range copy is supported "
                 f"(use p0 = -1, p1 = -1); the whole stream {s_src} is copied to stream {s_dst}")
+        return src, dst, p0, p1
 
     def _seq_cp_same_stream(self, stream: int, src: int, dst: int, p0: int, p1: int) -> None:
         if src == dst:
@@ -219,6 +232,7 @@ class KVCache:
 
     def seq_keep(self, seq_id: int) -> None:
         """Keep only seq_id in its stream: its cells hold only it, every other cell is emptied."""
+        seq_id = int_arg(seq_id, "seq_id", "seq_keep")
         self._check_seq(seq_id, "seq_keep")
         s = self.seq_to_stream(seq_id)
         cells = self.v_cells[s]
@@ -232,6 +246,7 @@ class KVCache:
 
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
         """Move seq_id's cells in [p0, p1) by delta; the keys follow at the next update (K-shift)."""
+        seq_id, p0, p1, delta = ints("seq_add", seq_id=seq_id, p0=p0, p1=p1, delta=delta)
         self._check_seq(seq_id, "seq_add")
         self._check_shift("seq_add")
         lo, hi = position_range(p0, p1)  # normalised before the empty-range check, as llama.cpp does
@@ -249,6 +264,7 @@ class KVCache:
 
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
         """Divide the positions of seq_id's cells in [p0, p1) by d (QUIRK: shift sign, see cells.py)."""
+        seq_id, p0, p1, d = ints("seq_div", seq_id=seq_id, p0=p0, p1=p1, d=d)
         self._check_seq(seq_id, "seq_div")
         self._check_shift("seq_div")
         if d < 1:
@@ -270,6 +286,7 @@ class KVCache:
                                        f"the next decode)")
 
     def clear(self, data: bool = True) -> None:
+        data = flag_arg(data, "data", "clear")
         changes = []
         for s, cells in enumerate(self.v_cells):
             idxs = np.flatnonzero(cells.used_mask())
@@ -360,7 +377,7 @@ class KVCache:
             if p_min <= p_max:
                 log.debug("apply_ubatch: purging positions [%d, %d] of sequence %d from KV cache", p_min, p_max,
                           seq_id)
-                # llama.cpp sets each head to the slot's last cell + 1 AFTER the purge (§5 "Finally"),
+                # llama.cpp sets each head to the slot's last cell + 1 AFTER the purge (llama_kv_cache::apply_ubatch),
                 # so a cell the purge frees below the slot never becomes the head.
                 self.seq_rm(seq_id, p_min, p_max + 1, reason="purge", tentative=tentative, keep_head=True)
 
@@ -399,7 +416,12 @@ class KVCache:
         return None if slots is None else (ubatches, slots)
 
     def prepare(self, ubatches: list[UBatch]) -> list[SlotInfo] | None:
-        """Dry run: place every ubatch in turn, then restore. Returns the slots, or None if one fails."""
+        """Dry run: place every ubatch in turn, then restore. Returns the slots, or None if one fails.
+
+        The heads are restored as llama.cpp restores them (QUIRK_DRY_RUN_HEADS): a stream touched by a
+        ubatch gets back the old head at that stream's INDEX within the ubatch's slot, which is another
+        stream's head whenever the index and the stream id differ (split streams)."""
+        heads_before = list(self.v_heads)
         saved, slots = [], []
         for k, ub in enumerate(ubatches):
             sinfo = self.find_slot(ub)
@@ -410,20 +432,20 @@ class KVCache:
             self.apply_ubatch(sinfo, ub, ubatch_index=k, tentative=True)
             slots.append(sinfo)
         restored: dict[int, set[int]] = {}
-        for snaps, heads in reversed(saved):
-            for stream, snap in snaps:
+        for snaps, heads_old in reversed(saved):
+            for s, (stream, snap) in enumerate(snaps):
                 self.v_cells[stream].restore(snap)
                 restored.setdefault(stream, set()).update(int(i) for i in snap.idxs)
-            self.v_heads = heads
+                self.v_heads[stream] = heads_old[s]  # llama.cpp: v_heads[strm[s]] = v_heads_old[s]
         if restored:
             changes = [self._stream_cells(s, np.array(sorted(i), dtype=np.int64)) for s, i in sorted(restored.items())]
-            self._publish(ev.SlotsRolledBack, changes, tentative=True)
+            moved = [s for s in restored if self.v_heads[s] != heads_before[s]]
+            quirk = QUIRK_DRY_RUN_HEADS.format(streams=", ".join(
+                f"stream {s}: {heads_before[s]} -> {self.v_heads[s]}" for s in moved)) if moved else ""
+            self._publish(ev.SlotsRolledBack, changes, tentative=True, quirk=quirk)
         return slots if len(slots) == len(ubatches) else None
 
     # ---- update: stream copies and K-shift -------------------------------------------------
-    def has_pending_update(self) -> bool:
-        return bool(self.pending_copies) or any(c.has_shift for c in self.v_cells)
-
     def update(self) -> bool:
         """Run queued stream copies, then the K-shift. Returns whether anything was done."""
         did = False
@@ -473,8 +495,9 @@ class KVCache:
 
     # ---- events ---------------------------------------------------------------------------
     def _stream_cells(self, stream: int, idxs: np.ndarray) -> ev.StreamCells | None:
-        if not self.bus.active:
-            return None
+        return self._cells_record(stream, idxs) if self.bus.active else None
+
+    def _cells_record(self, stream: int, idxs: np.ndarray) -> ev.StreamCells:
         cells = self.v_cells[stream]
         idxs = np.asarray(idxs, dtype=np.int64)
         return ev.StreamCells(stream, ev._frozen_array(idxs), ev._frozen_array(cells.pos[idxs]),
@@ -487,9 +510,16 @@ class KVCache:
         if self.bus.active and all(c is not None for c in changes):
             self.bus.publish(kind(cache=self.name, changes=tuple(changes), **fields))
 
+    def snapshot_events(self) -> list[ev.MemorySnapshot]:
+        """The complete cell state as one event (built even when nobody listens yet)."""
+        return [ev.MemorySnapshot(cache=self.name, changes=tuple(
+            self._cells_record(s, np.arange(self.size)) for s in range(self.n_stream)))]
+
     def publish_snapshot(self) -> None:
         """Publish the complete state, so that a watcher that missed events can resync."""
-        self._publish(ev.MemorySnapshot, [self._stream_cells(s, np.arange(self.size)) for s in range(self.n_stream)])
+        if self.bus.active:
+            for event in self.snapshot_events():
+                self.bus.publish(event)
 
 
 def position_range(p0: int, p1: int) -> tuple[int, int]:

@@ -58,10 +58,6 @@ class KVCells:
             hit &= self.seq[seq_id]
         return np.flatnonzero(hit)
 
-    def seq_count(self) -> np.ndarray:
-        """Number of sequences in each cell."""
-        return self.seq.sum(axis=0)
-
     def seq_pos_min(self, seq_id: int) -> int:
         p = self.pos[self.seq[seq_id]]
         return int(p.min()) if p.size else -1
@@ -74,14 +70,6 @@ class KVCells:
         """seq_pos_max for every sequence id at once (-1 where absent)."""
         masked = np.where(self.seq, self.pos[None, :], -1)
         return masked.max(axis=1)
-
-    def seq_positions(self, seq_id: int) -> dict[int, int]:
-        """llama.cpp's seq_pos map for one sequence: position -> number of cells holding it."""
-        values, counts = np.unique(self.pos[self.seq[seq_id]], return_counts=True)
-        return {int(v): int(c) for v, c in zip(values, counts)}
-
-    def present_seqs(self) -> list[int]:
-        return [int(s) for s in np.flatnonzero(self.seq.any(axis=1))]
 
     def single_seq_of(self, idxs: np.ndarray) -> np.ndarray:
         """For each cell: its only sequence id, or -1 when it holds none or several."""
@@ -128,8 +116,8 @@ class KVCells:
         """Move non-empty cells by delta (for all their sequences). Returns cells freed below 0."""
         self.pos[idxs] += delta
         self.shift[idxs] += delta
-        # llama.cpp sets has_shift inside the per-cell pos_add, so moving no cell sets nothing (§2, §7:
-        # otherwise the next decode would run a K-shift that llama.cpp does not run).
+        # llama.cpp sets has_shift inside the per-cell pos_add, so moving no cell sets nothing;
+        # otherwise the next decode would run a K-shift that llama.cpp does not run.
         self.has_shift |= bool(idxs.size)
         freed = idxs[self.pos[idxs] < 0]
         self.rm(freed)
@@ -174,20 +162,7 @@ class KVCells:
         self.shift[snap.idxs] = snap.shift
         self.seq[:, snap.idxs] = snap.seq
 
-    def copy_from(self, other: "KVCells") -> None:
-        self.pos[:] = other.pos
-        self.shift[:] = other.shift
-        self.seq[:] = other.seq
-        self.has_shift = other.has_shift
-
-    # ---- checks and views ----------------------------------------------------------------
-    def check_invariants(self) -> None:
-        empty = self.pos < 0
-        assert np.all(self.pos[empty] == -1), "empty cells must have position -1"
-        assert not self.seq[:, empty].any(), "an empty cell holds a sequence"
-        assert np.all(self.shift[empty] == 0), "an empty cell carries a shift"
-        assert self.seq[:, ~empty].any(axis=0).all(), "a non-empty cell holds no sequence"
-
+    # ---- views ---------------------------------------------------------------------------
     def cell_tuples(self) -> list[tuple[int, frozenset[int], int]]:
         """One (pos, seq ids, shift) per cell; pos -1 and no seqs when empty."""
         out = []

@@ -10,6 +10,7 @@ import logging
 
 import torch
 
+from engine.arguments import flag_arg, int_arg, ints
 from engine.batch import BatchAllocator, UBatch
 from engine.errors import MemoryOperationError
 from engine.kv.cache import KVCache, SlotInfo, position_range
@@ -21,7 +22,7 @@ FULL_SWA_REF = "https://github.com/ggml-org/llama.cpp/pull/13194#issuecomment-28
 
 def swa_cache_size(kv_size: int, n_swa: int, *, unified: bool, n_seq_max: int, n_ubatch: int, pad: int,
                    swa_full: bool) -> int:
-    """Cells per stream of the SWA cache (spec section 9). With a tiny kv_size the padding can make
+    """Cells per stream of the SWA cache (llama_kv_cache_iswa's constructor, src/llama-kv-cache-iswa.cpp). With a tiny kv_size the padding can make
     it larger than kv_size, exactly as a direct llama.cpp instantiation would."""
     if swa_full:
         return kv_size
@@ -93,12 +94,16 @@ class KVCacheISWA:
         """K-shift needs both caches to shift and the same size (in practice: swa_full)."""
         return self.base.can_shift() and self.swa.can_shift() and self.base.size == self.swa.size
 
+    def snapshot_events(self) -> list:
+        return self.base.snapshot_events() + self.swa.snapshot_events()
+
     def publish_snapshot(self) -> None:
         self.base.publish_snapshot()
         self.swa.publish_snapshot()
 
     # ---- sequence operations: both caches; positions from the SWA cache ----------------------
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1, **kw) -> bool:
+        seq_id, p0, p1 = ints("seq_rm", seq_id=seq_id, p0=p0, p1=p1)
         self._check_both(seq_id, "seq_rm", allow_all=True)
         ok_base = self.base.seq_rm(seq_id, p0, p1, **kw)
         return self.swa.seq_rm(seq_id, p0, p1, **kw) and ok_base
@@ -106,16 +111,18 @@ class KVCacheISWA:
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         # Validated on both before either changes, so a refusal leaves the pair consistent.
         for cache in self.caches():
-            cache.check_seq_cp(src, dst, p0, p1)
+            src, dst, p0, p1 = cache.check_seq_cp(src, dst, p0, p1)
         self.base.seq_cp(src, dst, p0, p1)
         self.swa.seq_cp(src, dst, p0, p1)
 
     def seq_keep(self, seq_id: int) -> None:
+        seq_id = int_arg(seq_id, "seq_id", "seq_keep")
         self._check_both(seq_id, "seq_keep")
         self.base.seq_keep(seq_id)
         self.swa.seq_keep(seq_id)
 
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        seq_id, p0, p1, delta = ints("seq_add", seq_id=seq_id, p0=p0, p1=p1, delta=delta)
         self._check_both(seq_id, "seq_add")
         if delta != 0:
             self._refuse_unsupported_shift("seq_add", seq_id, p0, p1)
@@ -123,6 +130,7 @@ class KVCacheISWA:
         self.swa.seq_add(seq_id, p0, p1, delta)
 
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+        seq_id, p0, p1, d = ints("seq_div", seq_id=seq_id, p0=p0, p1=p1, d=d)
         self._check_both(seq_id, "seq_div")
         if d > 1:
             self._refuse_unsupported_shift("seq_div", seq_id, p0, p1)
@@ -131,7 +139,7 @@ class KVCacheISWA:
 
     def _refuse_unsupported_shift(self, op: str, seq_id: int, p0: int, p1: int) -> None:
         """llama.cpp accepts the move and aborts at the next decode's K-shift; kvscope refuses it
-        up front when a cell would move (spec section 18)."""
+        up front when a cell would move (llama.cpp aborts in llama_kv_cache::update)."""
         if self.can_shift():
             return
         stream = self.base.seq_to_stream(seq_id)
@@ -148,6 +156,7 @@ class KVCacheISWA:
         return self.swa.seq_pos_max(seq_id)
 
     def clear(self, data: bool = True) -> None:
+        data = flag_arg(data, "data", "clear")  # checked before the base cache is cleared
         self.base.clear(data)
         self.swa.clear(data)
 

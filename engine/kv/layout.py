@@ -58,10 +58,6 @@ class CacheLayout:
             nbytes += ctype.row_bytes(CUDA_ROW_PADDING - width % CUDA_ROW_PADDING)
         return _aligned(nbytes, CUDA_BUFFER_ALIGNMENT)
 
-    def buffer_bytes(self) -> int:
-        """The CPU KV buffer: every tensor rounded up to the backend alignment."""
-        return self.layer_buffer_bytes() * len(self.layer_ids)
-
     def buffer_bytes_by_device(self, layer_devices: Sequence[Device] | None = None) -> dict[Device, int]:
         """One KV buffer per device holding any of this cache's layers (default: all on the CPU)."""
         devices = layer_devices if layer_devices is not None else [CPU] * len(self.layer_ids)

@@ -16,7 +16,6 @@ when the cell count is a multiple of 256 (llama.cpp's " *\\n" row break, then it
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -33,13 +32,13 @@ ENV_VAR = "LLAMA_KV_CACHE_DEBUG"
 _MAP_LABELS = np.array([".", "M", *(str(s) for s in range(MAX_SEQ))], dtype=object)
 
 
-def level_from_env(environ: Mapping[str, str] = os.environ) -> int:
+def level_from_env() -> int:
     """The level LLAMA_KV_CACHE_DEBUG asks for: 0 when unset or empty.
 
     llama.cpp reads it with atoi, which turns "abc" into 0 and "2x" into 2 without a word; a typo
     would silently switch the dump off, so anything but an integer is refused here instead.
     """
-    raw = environ.get(ENV_VAR, "").strip()
+    raw = os.environ.get(ENV_VAR, "").strip()
     if not raw:
         return 0
     try:

@@ -1,4 +1,5 @@
-"""State save/restore of the KV cache in llama.cpp's byte format (spec section 13).
+"""State save/restore of the KV cache in llama.cpp's byte format (src/llama-kv-cache.cpp
+llama_kv_cache::state_write / state_read and their _meta/_data halves).
 
 Everything is little endian (llama.cpp writes host byte order; kvscope runs on little-endian hosts).
 The memory state is a sequence of per-cache states, one per cache in `caches` (a plain cache: one;
@@ -12,6 +13,17 @@ an iSWA pair: base then SWA, base skipped with STATE_SEQ_FLAGS_PARTIAL_ONLY). Ea
               V not transposed: per layer like K
               V transposed: per layer i32 type, u32 element size, u32 n_embd_v_gqa, then for each of the
                             n_embd_v_gqa rows the elements of the selected cells
+
+K and V rows are written and read as the cache holds them, and the cache holds llama.cpp's rows: for
+llama-family models (llama, Mistral) kvscope computes Q and K in the order convert_hf_to_gguf permutes
+their rows into and turns them with llama.cpp's NORM RoPE (engine/rope.py), so a K row has, per KV
+head, the Hugging Face dims in the order 0, d/2, 1, d/2 + 1, ..., from a GGUF or a Hugging Face folder
+alike; qwen2 and Gemma rows keep the Hugging Face order, as llama.cpp's do. A state therefore crosses
+between the engines as it is, for every cache type: a quantized K row is ggml's quantization of that
+layout's 32-value blocks, which no reordering of an already quantized row could produce. Not modelled:
+recent llama.cpp multiplies K and V by a Walsh-Hadamard matrix before storing them in a quantized
+cache whose head size is a multiple of 64 (llama_kv_cache attn_rot_k/attn_rot_v, off with
+LLAMA_ATTN_ROT_DISABLE=1); such quantized states hold rotated rows, which nothing in the bytes marks.
 
 Selected cells are the non-empty ones; for a single sequence only those holding it and not
 SWA-masked against the sequence's last position (max, not max + 1). The rows of the selected
@@ -271,9 +283,9 @@ def read_cache_state(r: Reader, cache: KVCache, dest_seq_id: int = -1) -> None:
             dest = _read_meta(r, cache, strm, cell_count, dest_seq_id)
             _read_data(r, cache, strm, cell_count, dest)
     except (_Failed, StateFileError) as e:
-        # Spec 13: any failure clears (whole) or removes dest (single). A truncated state counts as
-        # a failure here too; in llama.cpp its read exception bypasses this cleanup and leaves the
-        # cells read so far (kvscope does not reproduce that half-restored cache).
+        # llama_kv_cache::state_read: any failure clears (whole) or removes dest (single). A truncated
+        # state counts as a failure here too; in llama.cpp its read exception bypasses this cleanup and
+        # leaves the cells read so far (kvscope does not reproduce that half-restored cache).
         if dest_seq_id == -1:
             cache.clear(True)
             left = "the cache was cleared"

@@ -1,9 +1,14 @@
-"""The states llama_context saves around the KV cache's own (engine/kv/state.py, spec section 13).
+"""The states llama_context saves around the KV cache's own (engine/kv/state.py; src/llama-context.cpp
+llama_context::state_write_data / state_seq_write_data and the llama_state_* file functions).
 
 In memory: a sequence state is u32 0xaf143cd8, i32 seq id, memory state; a whole-context state is the
 model arch as a string (u32 length + bytes), memory state. Files: 'ggsq' u32 magic, u32 version 2,
 u32 n_tokens, i32 tokens, memory state (no 0xaf143cd8 wrapper); 'ggsn', version 9
 (LLAMA_SESSION_VERSION), u32 n_tokens, i32 tokens, whole-context state.
+
+The arch string is llama.cpp's name for the model (llm_arch_name), which for a Mistral model is
+"llama": convert_hf_to_gguf converts MistralForCausalLM as a llama, so a Hugging Face Mistral folder
+and its GGUF write, and accept, the same states.
 """
 from __future__ import annotations
 
@@ -31,6 +36,14 @@ LLAMA_SESSION_VERSION = 9
 LLAMA_STATE_SEQ_MAGIC = 0x67677371  # 'ggsq'
 LLAMA_STATE_SEQ_VERSION = 2
 
+# kvscope arch -> llama.cpp's arch of the model's GGUF, where they differ
+_LLAMA_CPP_ARCH = {"mistral": "llama"}
+
+
+def llama_cpp_arch(arch: str) -> str:
+    """The arch name llama.cpp writes in, and expects from, whole-context states of this model."""
+    return _LLAMA_CPP_ARCH.get(arch, arch)
+
 
 def seq_state_bytes(caches: Sequence[KVCache], seq_id: int) -> bytes:
     """llama_state_seq_get_data: u32 0xaf143cd8, i32 seq id, memory state of seq_id."""
@@ -53,16 +66,16 @@ def restore_seq_state(caches: Sequence[KVCache], data: bytes, dest_seq_id: int) 
 
 
 def context_state_bytes(arch: str, caches: Sequence[KVCache], w: Writer | None = None) -> bytes:
-    """llama_state_get_data: the model arch as a string, then the whole memory state."""
+    """llama_state_get_data: llama.cpp's name of the model arch as a string, then the whole memory state."""
     w = w if w is not None else Writer()
-    w.string(arch)
+    w.string(llama_cpp_arch(arch))
     return write_memory_state(caches, -1, w)
 
 
 def read_context_state(r: Reader, arch: str, caches: Sequence[KVCache]) -> None:
-    saved = r.string()
-    if saved != arch:
-        raise StateFileError(f"wrong model arch: '{saved}' instead of '{arch}'; the cache is unchanged")
+    saved, expected = r.string(), llama_cpp_arch(arch)
+    if saved != expected:
+        raise StateFileError(f"wrong model arch: '{saved}' instead of '{expected}'; the cache is unchanged")
     read_memory_state(r, caches, -1)
 
 

@@ -13,6 +13,9 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "gemma2", "gemma3")
 # after both attention and MLP, a gelu-tanh gated MLP and tied embeddings; gemma3 adds Q/K norms.
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 HIDDEN_ACTIVATIONS = ("silu", "gelu_tanh")
+# llama.cpp's RoPE types (include/llama.h LLAMA_ROPE_TYPE_NORM / LLAMA_ROPE_TYPE_NEOX), see ModelConfig.rope_type
+ROPE_TYPE_NORM, ROPE_TYPE_NEOX = "norm", "neox"
+ROPE_NORM_ARCHITECTURES = ("llama", "mistral")
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,18 @@ class ModelConfig:
         return self.arch in GEMMA_ARCHITECTURES
 
     @property
+    def rope_type(self) -> str:
+        """Which dims of a head RoPE turns together, as llama.cpp's llama_model_rope_type
+        (src/llama-model.cpp) says for the arch.
+
+        ROPE_TYPE_NORM (llama, and Mistral, which convert_hf_to_gguf writes as llama): dims 2i and
+        2i + 1. The converter permutes these models' Q/K rows so that Hugging Face dims i and i + d/2
+        become 2i and 2i + 1, so kvscope computes Q and K in that order too, and its K cache holds
+        llama.cpp's rows (engine/models/transformer.py). ROPE_TYPE_NEOX (qwen2, Gemma): dims i and
+        i + d/2, Hugging Face's rotate_half on rows stored as they are."""
+        return ROPE_TYPE_NORM if self.arch in ROPE_NORM_ARCHITECTURES else ROPE_TYPE_NEOX
+
+    @property
     def has_qk_norm(self) -> bool:
         """RMSNorm over each head of Q and K before RoPE (gemma3)."""
         return self.arch == "gemma3"
@@ -125,3 +140,50 @@ class ModelConfig:
     def n_embd_v_gqa(self) -> int:
         """Width of one V row of one layer (all KV heads)."""
         return self.head_dim * self.n_head_kv
+
+
+def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a model with `config` needs, under its Hugging Face name, with its torch shape.
+
+    Both readers check against this: engine/formats/gguf_file.py translates it to llama.cpp names
+    and ggml shapes, so that a GGUF's errors name what the file holds.
+    """
+    c = config
+    q_rows, kv_rows = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (c.n_vocab, c.n_embd),
+        "model.norm.weight": (c.n_embd,),
+    }
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.n_vocab, c.n_embd)
+    for i in range(c.n_layer):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (c.n_embd,),
+            p + "post_attention_layernorm.weight": (c.n_embd,),
+            p + "self_attn.q_proj.weight": (q_rows, c.n_embd),
+            p + "self_attn.k_proj.weight": (kv_rows, c.n_embd),
+            p + "self_attn.v_proj.weight": (kv_rows, c.n_embd),
+            p + "self_attn.o_proj.weight": (c.n_embd, q_rows),
+            p + "mlp.gate_proj.weight": (c.n_ff, c.n_embd),
+            p + "mlp.up_proj.weight": (c.n_ff, c.n_embd),
+            p + "mlp.down_proj.weight": (c.n_embd, c.n_ff),
+        }
+        if c.is_gemma:
+            # a norm before and after attention and MLP (post_attention_layernorm is the norm of the
+            # attention output here, not the one before the MLP as in llama)
+            shapes |= {
+                p + "pre_feedforward_layernorm.weight": (c.n_embd,),
+                p + "post_feedforward_layernorm.weight": (c.n_embd,),
+            }
+        if c.has_qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)}
+        if c.attention_bias:
+            shapes |= {
+                p + "self_attn.q_proj.bias": (q_rows,),
+                p + "self_attn.k_proj.bias": (kv_rows,),
+                p + "self_attn.v_proj.bias": (kv_rows,),
+            }
+            if c.arch != "qwen2":  # HF's attention_bias covers o_proj too; qwen2's o_proj has none
+                shapes[p + "self_attn.o_proj.bias"] = (c.n_embd,)
+    return shapes

@@ -2,8 +2,10 @@
 
 The result is the same whatever the format: a ModelConfig, float32 tensors under Hugging Face
 names and layouts, and a Tokenizer. Every tensor the config implies is checked for presence and
-shape here, so the transformer can trust what it is given. Errors are ModelFileError (or its
-subclass UnsupportedArchitectureError) naming the file and the problem.
+shape before the transformer sees it, in the terms of the file the user holds: a GGUF is checked by
+engine/formats/gguf_file.py under llama.cpp names and ggml shapes (`blk.2.ffn_down.weight`, ne0
+first), a Hugging Face folder here under its own names and torch shapes. Errors are ModelFileError
+(or its subclass UnsupportedArchitectureError) naming the file and the problem.
 
 Example:
     ckpt = read_checkpoint("tiny-llama.gguf")
@@ -21,10 +23,12 @@ import torch
 from engine.errors import ModelFileError
 from engine.formats.gguf_file import GGUF_MAGIC, read_gguf
 from engine.formats.hf_folder import read_hf_folder
-from engine.models.config import ModelConfig
+from engine.models.config import ModelConfig, expected_tensor_shapes
 from engine.models.tokenizer import Tokenizer, tokenizer_from_gguf_metadata
 
 logger = logging.getLogger(__name__)
+
+TORCH_ORDER = "(torch order, as safetensors stores it)"  # how a Hugging Face folder's shapes are written
 
 
 @dataclass(frozen=True)
@@ -50,63 +54,23 @@ class Checkpoint:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
-def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a model with `config` needs, with its Hugging Face shape."""
-    c = config
-    q_rows, kv_rows = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (c.n_vocab, c.n_embd),
-        "model.norm.weight": (c.n_embd,),
-    }
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.n_vocab, c.n_embd)
-    for i in range(c.n_layer):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (c.n_embd,),
-            p + "post_attention_layernorm.weight": (c.n_embd,),
-            p + "self_attn.q_proj.weight": (q_rows, c.n_embd),
-            p + "self_attn.k_proj.weight": (kv_rows, c.n_embd),
-            p + "self_attn.v_proj.weight": (kv_rows, c.n_embd),
-            p + "self_attn.o_proj.weight": (c.n_embd, q_rows),
-            p + "mlp.gate_proj.weight": (c.n_ff, c.n_embd),
-            p + "mlp.up_proj.weight": (c.n_ff, c.n_embd),
-            p + "mlp.down_proj.weight": (c.n_embd, c.n_ff),
-        }
-        if c.is_gemma:
-            # a norm before and after attention and MLP (post_attention_layernorm is the norm of the
-            # attention output here, not the one before the MLP as in llama)
-            shapes |= {
-                p + "pre_feedforward_layernorm.weight": (c.n_embd,),
-                p + "post_feedforward_layernorm.weight": (c.n_embd,),
-            }
-        if c.has_qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)}
-        if c.attention_bias:
-            shapes |= {
-                p + "self_attn.q_proj.bias": (q_rows,),
-                p + "self_attn.k_proj.bias": (kv_rows,),
-                p + "self_attn.v_proj.bias": (kv_rows,),
-            }
-            if c.arch != "qwen2":  # HF's attention_bias covers o_proj too; qwen2's o_proj has none
-                shapes[p + "self_attn.o_proj.bias"] = (c.n_embd,)
-    return shapes
-
-
 def check_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig, source: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors `config` needs, checked for presence and shape; others are dropped (logged).
+    """A Hugging Face folder's tensors that `config` needs, checked for presence and shape; others are
+    dropped (logged). GGUF files are checked by read_gguf, in llama.cpp's names.
 
     Raises:
-        ModelFileError: naming the file, the tensor, and the expected vs found shape.
+        ModelFileError: naming the folder, the tensor, and the expected vs found torch shape.
     """
     expected = expected_tensor_shapes(config)
     for name, shape in expected.items():
         if name not in tensors:
-            raise ModelFileError(f"{source}: tensor {name!r} is missing (expected shape {list(shape)})")
+            raise ModelFileError(
+                f"{source}: tensor {name!r} is missing; config.json needs it with shape {list(shape)} {TORCH_ORDER}"
+            )
         found = tuple(tensors[name].shape)
         if found != shape:
             raise ModelFileError(
-                f"{source}: tensor {name!r} has shape {list(found)}, expected {list(shape)} from the model config"
+                f"{source}: tensor {name!r} has shape {list(found)} but config.json needs {list(shape)} {TORCH_ORDER}"
             )
     unused = sorted(set(tensors) - set(expected))
     if unused:
@@ -122,11 +86,11 @@ def _is_gguf_file(path: Path) -> bool:
 
 
 def _read_gguf_checkpoint(path: Path) -> Checkpoint:
-    contents = read_gguf(path)
+    contents = read_gguf(path)  # checks the tensors itself, so that errors use the file's names
     tokenizer = tokenizer_from_gguf_metadata(contents.metadata, source=path)
     return Checkpoint(
         config=contents.config,
-        tensors=check_tensors(contents.tensors, contents.config, path),
+        tensors=contents.tensors,
         tokenizer=tokenizer,
         source=str(path),
         file_format="gguf",

@@ -42,7 +42,8 @@ _QWEN2_SPLIT = (
 )
 PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
     "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]"),
-    "gpt2": (_GPT2_SPLIT,),
+    "gpt-2": (_GPT2_SPLIT,),  # llama.cpp's name (llama-vocab.cpp)
+    "gpt2": (_GPT2_SPLIT,),  # what kvscope wrote before, the demo model included; llama.cpp refuses it
     "llama-bpe": (_LLAMA3_SPLIT,),
     "llama3": (_LLAMA3_SPLIT,),
     "smaug-bpe": (_LLAMA3_SPLIT,),
@@ -247,7 +248,7 @@ def pre_tokenizer_for(pre: str | None) -> pre_tokenizers.PreTokenizer:
     regexes = PRE_TOKENIZER_REGEXES.get(pre)
     if regexes is None:
         logger.warning("unknown pre-tokenizer %r; falling back to the GPT-2 regex (text may split differently)", pre)
-        regexes = PRE_TOKENIZER_REGEXES["gpt2"]
+        regexes = PRE_TOKENIZER_REGEXES["gpt-2"]
     splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
     return pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 

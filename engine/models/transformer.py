@@ -3,7 +3,9 @@ gemma3 text) in plain PyTorch.
 
 The model knows nothing about cells or streams: per ubatch it gets token ids, positions and an
 attention object that stores this ubatch's K/V in the cache and hands back every visible K/V row
-with the KQ mask (each layer's own: sliding-window layers get the window's mask).
+with the KQ mask (each layer's own: sliding-window layers get the window's mask). Q and K come out of
+the projection in the order the model's RoPE turns (engine/rope.py): for the llama family that is
+llama.cpp's order, so the cache holds the K rows llama.cpp's would.
 
 Gemma, as Hugging Face computes it: the embedding is multiplied by sqrt(n_embd) rounded to the
 compute dtype; every RMSNorm multiplies in float32 by a weight that already holds 1 + w (the value
@@ -23,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.devices import CPU, Device
-from engine.models.config import ModelConfig
-from engine.rope import Rotary
+from engine.models.config import ROPE_TYPE_NORM, ModelConfig
+from engine.rope import Rotary, to_norm_order
 from engine.weight_devices import BIAS_OF, LayerDevices, WeightDevices, all_on_cpu
 
 
@@ -160,11 +162,12 @@ class Transformer:
         for i in range(config.n_layer):
             p = f"model.layers.{i}.self_attn."
             m = f"model.layers.{i}.mlp."
-            biases = [tensors.get(p + f"{x}_proj.bias") for x in "qkv"]
+            weights = self._rope_order([tensors[p + f"{x}_proj.weight"] for x in "qkv"])
+            biases = self._rope_order([tensors.get(p + f"{x}_proj.bias") for x in "qkv"])
             ln = f"model.layers.{i}."
             self.layers.append(LayerWeights(
                 attn_norm=norm_w(ln + "input_layernorm.weight"),
-                wqkv=input_major(torch.cat([tensors[p + f"{x}_proj.weight"] for x in "qkv"]), dtype, n_split),
+                wqkv=input_major(torch.cat(weights), dtype, n_split),
                 bqkv=None if biases[0] is None else torch.cat(biases).to(dtype),
                 wo=input_major(tensors[p + "o_proj.weight"], dtype, n_split),
                 bo=None if p + "o_proj.bias" not in tensors else w(p + "o_proj.bias"),
@@ -187,17 +190,23 @@ class Transformer:
         self.bytes_moved = 0  # bytes copied between devices, ever (activations, logits); contexts read differences
         self.copy_seconds = 0.0  # wall time of those moves, ever (CUDA copies synchronised to be timed)
 
-    # ---- placement (spec section 12) ----------------------------------------------------------------
+    def _rope_order(self, qkv: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Q, K, V rows (weights, or biases: None where absent) with Q and K in the order this model's
+        RoPE turns (engine/rope.py). For llama-family models that is the order convert_hf_to_gguf
+        writes and llama.cpp computes in, so the K cache and every state saved from it hold llama.cpp's
+        K rows, quantized blocks included. Reordering the rows once here costs nothing per token, and
+        Q is reordered as K is, so their products are unchanged."""
+        cfg = self.config
+        if cfg.rope_type != ROPE_TYPE_NORM:
+            return qkv
+        q, k, v = qkv
+        return [None if q is None else to_norm_order(q, cfg.n_head),
+                None if k is None else to_norm_order(k, cfg.n_head_kv), v]
+
+    # ---- placement (src/llama-model.cpp llama_model::load_tensors) ---------------------------------
     @staticmethod
     def _nbytes(tensors) -> int:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-    def layer_weight_bytes(self, il: int) -> int:
-        return self._nbytes(vars(self.layers[il]).values())
-
-    def output_weight_bytes(self) -> int:
-        """The output norm and lm_head; a tied embedding counts whole, as llama.cpp duplicates it there."""
-        return self._nbytes([self.norm, self.output_embd if self.lm_head_t is None else self.lm_head_t])
 
     def layer_field_tensors(self, il: int) -> dict[str, list[torch.Tensor]]:
         """Layer il's tensors by weight field; a bias is listed with the matrix it belongs to."""

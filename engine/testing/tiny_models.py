@@ -442,7 +442,7 @@ def _write_arch_metadata(writer: Any, model_type: str, config: dict[str, Any]) -
 def _write_tokenizer(writer: Any, folder: Path, config: dict[str, Any]) -> None:
     tok = _tokenizer_metadata(folder, config)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")  # the tiny tokenizer splits with ByteLevel's GPT-2 regex
+    writer.add_tokenizer_pre("gpt-2")  # llama.cpp's name; the tiny tokenizer splits with the GPT-2 regex
     writer.add_token_list(tok["tokens"])
     writer.add_token_types(tok["types"])
     writer.add_token_merges(tok["merges"])
