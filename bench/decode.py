@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import engine
-from engine.generate import Generator
+from engine.runners.generate import Generator
 from engine.models.transformer import project
 from engine.sampling import SamplerParams
 

@@ -5,7 +5,7 @@
     rc = ctx.decode(engine.Batch(tokens=[...], pos=[...], seq_ids=[[0], ...], logits=[...]))
 
 The names below are imported on first use (PEP 562), so that a watcher importing only the event records
-and the mirrors (engine.events, engine.mirror) never loads torch or the model code.
+and the mirrors (engine.events, engine.watch.mirror) never loads torch or the model code.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ _HOME = {
     "Batch": "engine.batch",
     "Context": "engine.context",
     "EventBus": "engine.events",
-    "CacheMirror": "engine.mirror",
+    "CacheMirror": "engine.watch.mirror",
     "Model": "engine.models.model",
     "load_model": "engine.models.model",
     "ArgumentTypeError": "engine.errors",

@@ -9,20 +9,24 @@ import re
 import sys
 import time
 
-from engine.devices import check_tensor_split, no_gpu_warning_lines, resolve_gpus
 from engine.errors import KvscopeError
 from engine.kv.cells import MAX_SEQ
 from engine.kv.slot_debug import ENV_VAR as KV_CACHE_DEBUG_ENV
 from engine.kv.slot_debug import level_from_env
+from engine.placement.devices import (
+    check_tensor_split,
+    no_gpu_warning_lines,
+    resolve_gpus,
+)
+from engine.placement.weight_devices import parse_tensor_overrides
 from engine.sampling import SamplerParams
-from engine.settings_aliases import (
+from engine.sizing.settings_aliases import (
     OFFLOAD_LAYERS_ENV,
     check_context_settings,
     check_swa_window,
     gpu_layers,
     parse_gpu_layers,
 )
-from engine.weight_devices import parse_tensor_overrides
 
 log = logging.getLogger("kvscope.cli")
 
@@ -282,7 +286,7 @@ def _load_model(args: argparse.Namespace):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import engine
-    from engine.generate import Generator, check_n_predict
+    from engine.runners.generate import Generator, check_n_predict
 
     settings = _checked_context_kwargs(args, args.parallel)
     check_n_predict(args.n_predict)
@@ -312,12 +316,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_parallel(args: argparse.Namespace) -> int:
     import engine
-    from engine.parallel import (
+    from engine.runners.parallel import (
         DEFAULT_SYSTEM_PROMPT,
         ParallelRunner,
         check_system_prompt,
     )
-    from engine.parallel_workload import make_schedule
+    from engine.runners.parallel_workload import make_schedule
 
     if args.sequences < 0:
         raise KvscopeError(f"--sequences must be >= 0, got {args.sequences}")
@@ -410,7 +414,7 @@ def _print_perf(ctx, gen, load_ms: float, verbose: bool = False) -> None:
 def cmd_estimate(args: argparse.Namespace) -> int:
     import json
 
-    from engine.estimate import estimate, fit, format_table
+    from engine.sizing.estimate import estimate, fit, format_table
 
     kwargs = _checked_context_kwargs(args, args.parallel, ignores_gpu_layers=args.fit)
     if args.fit:

@@ -29,8 +29,6 @@ from engine.arguments import (
     str_list,
 )
 from engine.batch import Batch, BatchAllocator, UBatch
-from engine.context_devices import ContextDevices
-from engine.devices import Device
 from engine.errors import (
     ArgumentTypeError,
     BatchTooLargeError,
@@ -43,10 +41,12 @@ from engine.kv.memory import Memory
 from engine.kv.slot_debug import level_from_env
 from engine.kv.state import caches_of
 from engine.kv.types import cache_type
-from engine.memory_breakdown import MemoryBreakdown
 from engine.models.model import Model
 from engine.models.transformer import DecodeAborted
-from engine.settings_aliases import (
+from engine.placement.context_devices import ContextDevices
+from engine.placement.devices import Device
+from engine.sizing.memory_breakdown import MemoryBreakdown
+from engine.sizing.settings_aliases import (
     check_context_settings,
     context_size,
     gpu_layers,
@@ -133,13 +133,13 @@ class Context:
                  tensor_split: Sequence[float] | None = None, offload_kqv: bool = True,
                  tensor_overrides: Sequence[str] | None = None, kvsize: int | None = None,
                  swa_window: int | None = None, kv_cache_debug: int | None = None) -> None:
-        """devices: the GPUs to offload to (None: the real ones found; see engine.devices.resolve_gpus),
+        """devices: the GPUs to offload to (None: the real ones found; see engine.placement.devices.resolve_gpus),
         n_gpu_layers/tensor_split/offload_kqv/tensor_overrides as llama.cpp's -ngl/-ts/-kvo/-ot
-        ("REGEX=DEVICE" items; see engine.weight_devices). Each layer's K/V and, when anything is
+        ("REGEX=DEVICE" items; see engine.placement.weight_devices). Each layer's K/V and, when anything is
         offloaded, each weight goes to its device. Weights are shared by the model's contexts, so a
         context whose placement differs from a live one's is refused.
 
-        Names from llama.cpp articles (engine.settings_aliases): kvsize is n_ctx (default 512, llama.cpp's
+        Names from llama.cpp articles (engine.sizing.settings_aliases): kvsize is n_ctx (default 512, llama.cpp's
         library default; 0: n_ctx_train); n_gpu_layers defaults to $LLAMA_OFFLOAD_LAYERS, else 0;
         swa_window replaces a sliding-window model's window for the caches. kv_cache_debug: llama.cpp's
         LLAMA_KV_CACHE_DEBUG level for the slot-search dump (None: the environment variable)."""
@@ -158,7 +158,7 @@ class Context:
             ("type_k", type_k), ("type_v", type_v), ("flash_attn", flash_attn)))
         if devices is not None:
             devices = list_of(devices, "devices", "Context", item="a device name ('CUDA0', 'VGPU0=2GiB') or an "
-                              "engine.devices.Device", ok=lambda d: isinstance(d, (str, Device)))
+                              "engine.placement.devices.Device", ok=lambda d: isinstance(d, (str, Device)))
         tensor_split = None if tensor_split is None else number_list(tensor_split, "tensor_split", "Context")
         if tensor_overrides is not None:
             tensor_overrides = str_list(tensor_overrides, "tensor_overrides", "Context")

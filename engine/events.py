@@ -3,7 +3,7 @@
 The engine publishes one event per operation (a ubatch placed, a sequence removed, a K-shift run),
 carrying numpy arrays for the cells it touched. Each cell change event gives the complete new
 metadata of every touched cell plus the stream's head afterwards, so a watcher can rebuild the cache
-exactly from the events alone (see engine/mirror.py) without knowing the rules that produced them.
+exactly from the events alone (see engine/watch/mirror.py) without knowing the rules that produced them.
 
 Watchers subscribe through bounded queues: a slow watcher loses events (counted, and announced to
 it by an EventsDropped record) but never blocks or breaks generation.

@@ -137,7 +137,7 @@ def test_batch_fields_accept_numpy_arrays_and_int8_output_flags(model):
     (dict(tensor_split="3,1"), "Context: tensor_split must be a list (each item a number), got '3,1' (str)"),
     (dict(tensor_split=[1, "a"]), "Context: tensor_split[1] must be a number, got 'a' (str)"),
     (dict(devices="VGPU0=1GiB"), "Context: devices must be a list (each item a device name ('CUDA0', "
-                                 "'VGPU0=2GiB') or an engine.devices.Device), got 'VGPU0=1GiB' (str)"),
+                                 "'VGPU0=2GiB') or an engine.placement.devices.Device), got 'VGPU0=1GiB' (str)"),
     (dict(tensor_overrides="ffn_.*=CPU"), "Context: tensor_overrides must be a list (each item a str), got "
                                           "'ffn_.*=CPU' (str)"),
     (dict(bus=object), "Context: bus must be an engine.EventBus or None, got type"),

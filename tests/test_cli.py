@@ -9,7 +9,7 @@ import pytest
 
 import engine
 from engine.cli import main
-from engine.devices import CPU
+from engine.placement.devices import CPU
 
 
 def run(args: list[str], capsys) -> tuple[int, str, str]:
@@ -115,13 +115,13 @@ def test_generate_refuses_np_0(capsys):
 @pytest.fixture
 def no_load(monkeypatch):
     """Loading a model (or, for estimate, reading its headers) fails the test: the error must come first."""
-    import engine.estimate
+    import engine.sizing.estimate
 
     def refuse(*_args, **_kwargs):
         raise AssertionError("the model was loaded before the settings were checked")
 
     monkeypatch.setattr(engine, "load_model", refuse)
-    monkeypatch.setattr(engine.estimate, "config_from_headers", refuse)
+    monkeypatch.setattr(engine.sizing.estimate, "config_from_headers", refuse)
 
 
 BAD_SETTINGS = [
@@ -145,7 +145,7 @@ BAD_SETTINGS = [
 @pytest.mark.parametrize("command", ["generate", "parallel", "estimate"])
 @pytest.mark.parametrize("flags,message", BAD_SETTINGS, ids=[" ".join(f) for f, _ in BAD_SETTINGS])
 def test_context_settings_are_refused_before_loading(command, flags, message, no_load, monkeypatch, capsys):
-    monkeypatch.setattr("engine.devices.discover_devices", lambda: [CPU])  # "0 GPUs" on any machine
+    monkeypatch.setattr("engine.placement.devices.discover_devices", lambda: [CPU])  # "0 GPUs" on any machine
     if command == "parallel" and flags == ["-np", "300"]:  # one more sequence for the shared system prompt
         message = "-np must be <= 255 for parallel, got 300: sequence 0 holds the shared system prompt"
     rc, _, err = run([command, *flags], capsys)
@@ -227,7 +227,7 @@ NO_GPU_WARNING = [
 
 @pytest.fixture
 def no_gpu(monkeypatch):
-    monkeypatch.setattr("engine.devices.discover_devices", lambda: [CPU])
+    monkeypatch.setattr("engine.placement.devices.discover_devices", lambda: [CPU])
 
 
 @pytest.mark.parametrize("command", ["generate", "parallel", "estimate"])

@@ -13,7 +13,7 @@ import engine
 from engine import events as ev
 from engine.batch import Batch
 from engine.cli import main
-from engine.generate import Generator, resolve_n_keep
+from engine.runners.generate import Generator, resolve_n_keep
 from engine.rope import Rotary
 from engine.sampling import SamplerParams
 

@@ -14,7 +14,7 @@ import torch
 import engine
 from engine.batch import Batch
 from engine.errors import KvscopeError
-from engine.estimate import estimate
+from engine.sizing.estimate import estimate
 from tests.model_factory import in_memory_model
 from tests.test_devices import (
     expected_bytes_moved,  # the same plan, counted the same way

@@ -12,7 +12,7 @@ import torch
 import engine
 from engine.batch import Batch
 from engine.errors import ModelFileError
-from engine.generate import Generator
+from engine.runners.generate import Generator
 from engine.kv.iswa import swa_cache_size
 from engine.models import model as model_module
 from engine.models.load import read_checkpoint

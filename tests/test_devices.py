@@ -12,7 +12,7 @@ import torch
 
 import engine
 from engine.batch import Batch
-from engine.devices import (
+from engine.placement.devices import (
     CPU,
     Device,
     discover_devices,
@@ -321,7 +321,7 @@ def warnings_logged(caplog) -> list[str]:
 
 @pytest.mark.parametrize("kwargs", [dict(n_gpu_layers=4), dict(n_gpu_layers=-1), dict(n_gpu_layers=2, devices=[])])
 def test_gpu_layers_without_a_gpu_are_ignored_with_llama_cpps_warning(model, kwargs, monkeypatch, caplog):
-    monkeypatch.setattr("engine.devices.discover_devices", lambda: [CPU])
+    monkeypatch.setattr("engine.placement.devices.discover_devices", lambda: [CPU])
     with caplog.at_level(logging.WARNING, logger="kvscope"):
         ctx = engine.Context(model, n_ctx=256, **kwargs)
     assert set(ctx.placement.layer_devices) == {CPU} and ctx.placement.output_device is CPU
@@ -329,9 +329,9 @@ def test_gpu_layers_without_a_gpu_are_ignored_with_llama_cpps_warning(model, kwa
 
 
 def test_offload_layers_env_without_a_gpu_warns_in_the_api_too(model, monkeypatch, caplog):
-    from engine.estimate import estimate
+    from engine.sizing.estimate import estimate
 
-    monkeypatch.setattr("engine.devices.discover_devices", lambda: [CPU])
+    monkeypatch.setattr("engine.placement.devices.discover_devices", lambda: [CPU])
     monkeypatch.setenv("LLAMA_OFFLOAD_LAYERS", "3")
     with caplog.at_level(logging.WARNING, logger="kvscope"):
         engine.Context(model, n_ctx=256)
@@ -341,7 +341,7 @@ def test_offload_layers_env_without_a_gpu_warns_in_the_api_too(model, monkeypatc
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(n_gpu_layers=0), dict(n_gpu_layers=2, devices=["VGPU0=1GiB"])])
 def test_no_gpu_warning_when_no_layer_is_ignored(model, kwargs, monkeypatch, caplog):
-    monkeypatch.setattr("engine.devices.discover_devices", lambda: [CPU])
+    monkeypatch.setattr("engine.placement.devices.discover_devices", lambda: [CPU])
     monkeypatch.delenv("LLAMA_OFFLOAD_LAYERS", raising=False)
     with caplog.at_level(logging.WARNING, logger="kvscope"):
         engine.Context(model, n_ctx=256, **kwargs)
@@ -373,7 +373,7 @@ def test_cuda_buffers_are_128_aligned_and_pad_quantized_rows_to_512_values():
 
 
 def test_torch_devices_map_to_llama_cpp_names():
-    from engine.devices import as_device
+    from engine.placement.devices import as_device
 
     assert as_device("cpu") is CPU and as_device(torch.device("cpu")) is CPU
     assert as_device("cuda:1").name == "CUDA1" and as_device("cuda").name == "CUDA0"

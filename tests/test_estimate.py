@@ -9,7 +9,7 @@ import pytest
 
 import engine
 from engine.cli import main
-from engine.estimate import estimate, fit
+from engine.sizing.estimate import estimate, fit
 
 SETTINGS = {
     "default": dict(n_ctx=256),

@@ -6,7 +6,7 @@ import torch
 
 import engine
 from engine.batch import Batch
-from engine.generate import Generator
+from engine.runners.generate import Generator
 from engine.sampling import SamplerParams
 
 GREEDY = SamplerParams(temperature=0.0)

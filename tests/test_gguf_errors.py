@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from engine.errors import ModelFileError
-from engine.estimate import config_from_headers
+from engine.sizing.estimate import config_from_headers
 from engine.formats.gguf_file import (
     GGUF_ARCHITECTURES,
     gguf_tensor_name,

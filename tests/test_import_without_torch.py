@@ -16,7 +16,7 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 
 def test_events_and_mirrors_import_and_work_without_torch():
     done = run_python("""
-        import engine.events, engine.mirror, engine.device_mirror
+        import engine.events, engine.watch.mirror, engine.watch.device_mirror
         import engine
         bus = engine.EventBus()
         mirror = engine.CacheMirror()
@@ -29,7 +29,7 @@ def test_events_and_mirrors_import_and_work_without_torch():
     """)
     assert done.returncode == 0, done.stderr
     loaded = set(done.stdout.split())
-    assert {"engine.events", "engine.mirror", "engine.device_mirror"} <= loaded
+    assert {"engine.events", "engine.watch.mirror", "engine.watch.device_mirror"} <= loaded
     assert not loaded & {"engine.context", "engine.models.model", "engine.kv.cache"}, loaded
 
 

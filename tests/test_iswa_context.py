@@ -6,7 +6,7 @@ import logging
 import pytest
 
 import engine
-from engine.generate import Generator
+from engine.runners.generate import Generator
 from engine.kv.iswa import KVCacheISWA
 from engine.sampling import SamplerParams
 

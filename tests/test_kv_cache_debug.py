@@ -295,7 +295,7 @@ def test_a_ubatch_larger_than_the_cache_is_an_error_line_at_any_level(caplog):
 
 def test_a_bad_environment_value_refuses_the_context_before_anything_is_reserved(monkeypatch):
     monkeypatch.setenv("LLAMA_KV_CACHE_DEBUG", "lots")
-    gpu = engine.devices.virtual_device("VGPU0=64MiB")
+    gpu = engine.placement.devices.virtual_device("VGPU0=64MiB")
     model = in_memory_model()
     with pytest.raises(ContextParamsError, match="LLAMA_KV_CACHE_DEBUG='lots' is not an integer"):
         engine.Context(model, n_ctx=256, devices=[gpu], n_gpu_layers=-1)

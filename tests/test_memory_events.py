@@ -5,7 +5,7 @@ import gc
 
 import engine
 from engine import events as ev
-from engine.devices import CPU, resolve_gpus
+from engine.placement.devices import CPU, resolve_gpus
 
 
 def memory_events(sub) -> list:

@@ -11,8 +11,8 @@ import engine
 from engine import events as ev
 from engine.cli import main
 from engine.errors import KvscopeError
-from engine.parallel import CONTEXT_EXCEEDED, ParallelRunner
-from engine.parallel_workload import QUESTIONS, Request, make_schedule
+from engine.runners.parallel import CONTEXT_EXCEEDED, ParallelRunner
+from engine.runners.parallel_workload import QUESTIONS, Request, make_schedule
 from engine.sampling import SamplerParams
 
 GREEDY = SamplerParams(temperature=0.0, seed=1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.context import ContextParams
-from engine.devices import CPU
+from engine.placement.devices import CPU
 from engine.errors import ContextParamsError
 from engine.kv.layout import CacheLayout
 from engine.kv.types import cache_type

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from engine import events as ev
 from engine.kv.iswa import KVCacheISWA
 from engine.kv.swa import SwaType
-from engine.mirror import CacheMirror
+from engine.watch.mirror import CacheMirror
 from tests.cell_checks import assert_cell_invariants
 from tests.test_swa_scenarios import Driver, make_cache
 

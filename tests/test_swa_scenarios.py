@@ -22,7 +22,7 @@ from engine.kv.iswa import KVCacheISWA, swa_cache_size
 from engine.kv.layout import CacheLayout
 from engine.kv.swa import SwaType, is_masked_swa
 from engine.kv.types import cache_type
-from engine.mirror import CacheMirror
+from engine.watch.mirror import CacheMirror
 
 N_VOCAB = 64
 

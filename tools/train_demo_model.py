@@ -23,7 +23,7 @@ non-determinism of multi-threaded float sums):
    if the machine is slower than planned; the schedule is by step, so size --steps with --trial.
 5. Export: a Hugging Face Gemma3ForCausalLM folder (work dir), then the GGUF with
    engine.testing.tiny_models.write_gguf_from_hf (F16 weights, F32 norms), then held-out loss and
-   sample continuations through the engine (engine.Context + engine.generate.Generator), written to
+   sample continuations through the engine (engine.Context + engine.runners.generate.Generator), written to
    <work dir>/report.json.
 
 Usage:
@@ -228,7 +228,7 @@ PROMPTS = ["In the beginning", "And the LORD said unto Moses,", "The king of Isr
 
 def engine_samples(gguf_path: Path, n_predict: int = 48) -> list[dict]:
     import engine
-    from engine.generate import Generator
+    from engine.runners.generate import Generator
     from engine.sampling import SamplerParams
 
     model = engine.load_model(gguf_path)

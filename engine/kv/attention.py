@@ -2,23 +2,38 @@
 KQ mask built from the cells (llama_kv_cache::set_input_kq_mask, src/llama-kv-cache.cpp)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
 from engine.batch import UBatch
-from engine.kv.swa import SwaType, is_masked_swa
+from engine.kv.cells import KVCells
+from engine.kv.swa import attends
 
 if TYPE_CHECKING:
-    from engine.kv.cache import KVCache, SlotInfo
+    from engine.kv.layout import CacheLayout
+    from engine.kv.slot_info import SlotInfo
+    from engine.kv.storage import RowStorage
+
+
+class AttentionSource(Protocol):
+    """What the attention inputs read of a cache (engine/kv/cache.py KVCache is one)."""
+
+    layout: CacheLayout
+    v_cells: list[KVCells]
+    k: list[RowStorage]
+    v: list[RowStorage]
+    layer_index: dict[int, int]
+
+    def n_kv(self, streams: tuple[int, ...]) -> int: ...
 
 
 class UbatchAttention:
     """Per-ubatch access to the cache for the model: store this ubatch's K/V, read all visible K/V,
     and the KQ mask, built once from the cells after the ubatch was applied."""
 
-    def __init__(self, cache: KVCache, sinfo: SlotInfo, ubatch: UBatch) -> None:
+    def __init__(self, cache: AttentionSource, sinfo: SlotInfo, ubatch: UBatch) -> None:
         self.cache = cache
         self.n_groups = len(sinfo.streams)
         self.n_kv = cache.n_kv(sinfo.streams)
@@ -41,12 +56,8 @@ class UbatchAttention:
             tokens = slice(g * n_per, (g + 1) * n_per)
             # A token with several sequences is masked as its last listed sequence (llama.cpp).
             deciding = np.fromiter((ids[-1] for ids in ubatch.seq_ids[tokens]), dtype=np.int64, count=n_per)
-            cell_pos = cells.pos[:n_kv][None, :]
-            tok_pos = ubatch.pos[tokens][:, None]
-            keep = cells.seq[deciding, :n_kv] & (cell_pos >= 0) & (cell_pos <= tok_pos)
-            if lo.swa_type != SwaType.NONE:
-                keep &= ~is_masked_swa(lo.n_swa, lo.swa_type, cell_pos, tok_pos)
-            masks.append(keep)
+            masks.append(attends(cells.pos[:n_kv][None, :], cells.seq[deciding, :n_kv], ubatch.pos[tokens][:, None],
+                                 lo.n_swa, lo.swa_type))
         return torch.from_numpy(np.stack(masks)[:, None])
 
     def store_and_load(self, il: int, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype):

@@ -8,7 +8,6 @@ updates and QUIRKs. Every metadata change is published on the event bus.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -17,14 +16,15 @@ import torch
 from engine import events as ev
 from engine.arguments import flag_arg, int_arg, ints
 from engine.batch import BatchAllocator, UBatch
-from engine.devices import Device, as_device
 from engine.errors import MemoryOperationError
 from engine.kv import slot_debug
 from engine.kv.attention import UbatchAttention
 from engine.kv.cells import MAX_SEQ, KVCells
 from engine.kv.layout import CacheLayout
+from engine.kv.slot_info import SlotInfo
 from engine.kv.storage import RowStorage
 from engine.kv.swa import SwaType, is_masked_swa
+from engine.placement.devices import Device, as_device
 
 log = logging.getLogger("kvscope.kv")
 
@@ -42,18 +42,6 @@ QUIRK_DRY_RUN_HEADS = ("llama.cpp QUIRK (src/llama-kv-cache.cpp, llama_kv_cache:
 
 # (k [N, n_head_kv, head_dim] float32, delta [N] int64) -> keys re-rotated by delta positions
 KeyShifter = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True, eq=False)
-class SlotInfo:
-    """Where a ubatch goes: for each token group, its stream and one cell index per token."""
-
-    streams: tuple[int, ...]
-    idxs: tuple[np.ndarray, ...]
-
-    @property
-    def n_per_stream(self) -> int:
-        return len(self.idxs[0])
 
 
 class KVCache:
@@ -79,7 +67,7 @@ class KVCache:
         devices = list(layer_devices) if layer_devices is not None else ["cpu"] * len(layout.layer_ids)
         if len(devices) != len(layout.layer_ids):
             raise ValueError(f"{len(devices)} layer devices for {len(layout.layer_ids)} cache layers")
-        # Kept as given: an engine.devices.Device says which (possibly virtual) device a layer is on,
+        # Kept as given: an engine.placement.devices.Device says which (possibly virtual) device a layer is on,
         # which its torch device alone cannot (a virtual device's memory is the host's).
         self.layer_devices = tuple(devices)
         torch_devices = [d.torch_device if isinstance(d, Device) else d for d in devices]
@@ -310,8 +298,11 @@ class KVCache:
     def find_slot(self, ubatch: UBatch) -> SlotInfo | None:
         """Choose cells for the ubatch without changing anything; None when it does not fit."""
         if self.debug_level > 0 and log.isEnabledFor(logging.DEBUG):  # the dump is O(cells): only if shown
-            for msg in slot_debug.find_slot_dump(self, ubatch.seq_id_unq):
-                log.debug("%s", msg)
+            for seq_id in ubatch.seq_id_unq:  # one dump per unique seq, as llama.cpp prints it
+                s = self.seq_to_stream(seq_id)
+                for msg in slot_debug.stream_dump(self.v_cells[s], stream=s, head=self.v_heads[s], size=self.size,
+                                                  n_swa=self.layout.n_swa, level=self.debug_level):
+                    log.debug("%s", msg)
         streams, idxs = [], []
         for stream, tokens in self._token_groups(ubatch):
             n = tokens.stop - tokens.start

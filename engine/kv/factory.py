@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Sequence
 
 from engine import events as ev
-from engine.devices import Device
 from engine.kv.cache import KeyShifter, KVCache
 from engine.kv.iswa import KVCacheISWA, swa_cache_size
 from engine.kv.layout import CacheLayout
@@ -13,6 +12,7 @@ from engine.kv.memory import Memory
 from engine.kv.swa import SwaType
 from engine.kv.types import cache_type
 from engine.models.config import ModelConfig
+from engine.placement.devices import Device
 
 
 def cache_layouts(cfg: ModelConfig, params) -> dict[str, CacheLayout]:

@@ -13,7 +13,8 @@ import torch
 from engine.arguments import flag_arg, int_arg, ints
 from engine.batch import BatchAllocator, UBatch
 from engine.errors import MemoryOperationError
-from engine.kv.cache import KVCache, SlotInfo, position_range
+from engine.kv.cache import KVCache, position_range
+from engine.kv.slot_info import SlotInfo
 
 log = logging.getLogger("kvscope.kv")
 

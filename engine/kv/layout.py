@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from engine.devices import CPU, Device
 from engine.kv.swa import SwaType
 from engine.kv.types import CacheType
+from engine.placement.devices import CPU, Device
 
 CPU_BUFFER_ALIGNMENT = 32
 CUDA_BUFFER_ALIGNMENT = 128

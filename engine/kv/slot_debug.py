@@ -9,6 +9,8 @@ ubatch is placed:
   `"\\n%s\\n"`, then `find_slot: stream[%d] min[%d] = %5d, max[%d] = %5d` for each seq present in
   the stream.
 
+The cache calls stream_dump with the cells it holds; nothing here knows the cache.
+
 Each message here is the text of one LLAMA_LOG_DEBUG call without its final newline, which the log
 handler adds (as every kvscope log line): so the map record starts with a newline, and ends with one
 when the cell count is a multiple of 256 (llama.cpp's " *\\n" row break, then its own "\\n").
@@ -16,15 +18,11 @@ when the cell count is a multiple of 256 (llama.cpp's " *\\n" row break, then it
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine.errors import ContextParamsError
 from engine.kv.cells import MAX_SEQ, KVCells
-
-if TYPE_CHECKING:
-    from engine.kv.cache import KVCache
 
 ENV_VAR = "LLAMA_KV_CACHE_DEBUG"
 
@@ -95,14 +93,4 @@ def stream_dump(cells: KVCells, *, stream: int, head: int, size: int, n_swa: int
     if shows_cells(level, n_swa):
         msgs += ["\n" + cell_map(cells), "\n" + position_line(cells)]
         msgs += seq_min_max_lines(cells, stream=stream)
-    return msgs
-
-
-def find_slot_dump(cache: KVCache, seq_id_unq: tuple[int, ...]) -> list[str]:
-    """Everything one find_slot of a ubatch with these unique seqs logs at cache.debug_level."""
-    msgs = []
-    for seq_id in seq_id_unq:
-        s = cache.seq_to_stream(seq_id)
-        msgs += stream_dump(cache.v_cells[s], stream=s, head=cache.v_heads[s], size=cache.size,
-                            n_swa=cache.layout.n_swa, level=cache.debug_level)
     return msgs

@@ -24,10 +24,15 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from engine.devices import CPU, Device
 from engine.models.config import ROPE_TYPE_NORM, ModelConfig
+from engine.placement.devices import CPU, Device
+from engine.placement.weight_devices import (
+    BIAS_OF,
+    LayerDevices,
+    WeightDevices,
+    all_on_cpu,
+)
 from engine.rope import Rotary, to_norm_order
-from engine.weight_devices import BIAS_OF, LayerDevices, WeightDevices, all_on_cpu
 
 
 class AttentionInputs(Protocol):
@@ -185,7 +190,7 @@ class Transformer:
         self._qkv_split = (config.n_head * config.head_dim, config.n_embd_k_gqa, config.n_embd_v_gqa)
         # The output layer's weights: the tied embedding is the same tensor until placed on another device.
         self.output_embd = self.tok_embd if self.lm_head_t is None else None
-        # Placement (engine.weight_devices): everything on the CPU until place() is called.
+        # Placement (engine.placement.weight_devices): everything on the CPU until place() is called.
         self.weight_devices: WeightDevices = all_on_cpu(config)
         self.bytes_moved = 0  # bytes copied between devices, ever (activations, logits); contexts read differences
         self.copy_seconds = 0.0  # wall time of those moves, ever (CUDA copies synchronised to be timed)

@@ -45,14 +45,14 @@ from engine import events as ev
 from engine.batch import Batch
 from engine.context import Context
 from engine.errors import KvscopeError
-from engine.parallel_records import (
+from engine.runners.parallel_records import (
     ClientState,
     DecodeCall,
     RequestResult,
     RunSummary,
     StepInfo,
 )
-from engine.parallel_workload import Request, format_prompt, make_schedule
+from engine.runners.parallel_workload import Request, format_prompt, make_schedule
 from engine.sampling import Sampler, SamplerParams
 
 log = logging.getLogger("kvscope.parallel")

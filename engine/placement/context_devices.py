@@ -12,14 +12,17 @@ import weakref
 from collections.abc import Sequence
 
 from engine import events as ev
-from engine.compute_memory import compute_bytes_by_device
-from engine.device_memory import (
+from engine.errors import ContextParamsError
+from engine.kv.factory import cache_layouts, kv_bytes_by_device, kv_size_by_layer
+from engine.models.config import ModelConfig
+from engine.models.model import Model
+from engine.placement.device_memory import (
     WeightPlacement,
     check_fits,
     offloads_anything,
     reserve_until_collected,
 )
-from engine.devices import (
+from engine.placement.devices import (
     CPU,
     Device,
     Placement,
@@ -27,21 +30,18 @@ from engine.devices import (
     plan_placement,
     resolve_gpus,
 )
-from engine.errors import ContextParamsError
-from engine.kv.factory import cache_layouts, kv_bytes_by_device, kv_size_by_layer
-from engine.memory_breakdown import (
-    MemoryBreakdown,
-    breakdown_by_device,
-    breakdown_table,
-)
-from engine.models.config import ModelConfig
-from engine.models.model import Model
-from engine.weight_devices import (
+from engine.placement.weight_devices import (
     WeightDevices,
     model_buffer_log_lines,
     parse_tensor_overrides,
     plan_weight_devices,
     weight_tensor_sizes,
+)
+from engine.sizing.compute_memory import compute_bytes_by_device
+from engine.sizing.memory_breakdown import (
+    MemoryBreakdown,
+    breakdown_by_device,
+    breakdown_table,
 )
 
 log = logging.getLogger("kvscope.context")

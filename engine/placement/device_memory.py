@@ -5,9 +5,9 @@ from __future__ import annotations
 import weakref
 
 from engine import events as ev
-from engine.devices import CPU, Device
 from engine.errors import ContextParamsError
-from engine.weight_devices import WeightDevices
+from engine.placement.devices import CPU, Device
+from engine.placement.weight_devices import WeightDevices
 
 
 def release_reservations(reserved: dict[Device, int], bus: ev.EventBus | None = None, what: str = "kv") -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.parallel_workload import Request
+from engine.runners.parallel_workload import Request
 
 
 @dataclass

@@ -16,9 +16,9 @@ from collections.abc import Mapping
 
 import torch
 
-from engine.devices import CPU, Device
 from engine.models.config import ModelConfig
-from engine.weight_devices import WeightDevices
+from engine.placement.devices import CPU, Device
+from engine.placement.weight_devices import WeightDevices
 
 
 def compute_bytes_by_device(config: ModelConfig, wd: WeightDevices, n_ubatch: int, n_stream: int,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from engine.devices import Device
+from engine.placement.devices import Device
 
 MIB = 1 << 20
 _HEADER = "{0}: | {1} | {2}   {3}    {4}   {5}   {6}   {7}    {8} |"

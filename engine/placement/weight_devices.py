@@ -17,9 +17,9 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from engine.devices import CPU, Device, Placement
 from engine.errors import DeviceSpecError
 from engine.models.config import ModelConfig
+from engine.placement.devices import CPU, Device, Placement
 
 # LayerWeights field -> the llama.cpp tensors it holds (a bias goes with its matrix)
 LAYER_FIELD_TENSORS: dict[str, tuple[str, ...]] = {

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine import events as ev
-from engine.device_mirror import DeviceMirror
 from engine.kv.cells import MAX_SEQ
+from engine.watch.device_mirror import DeviceMirror
 
 
 @dataclass

@@ -12,9 +12,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine.compute_memory import compute_bytes_by_device
 from engine.context import ContextParams
-from engine.devices import (
+from engine.kv.factory import cache_layouts, kv_bytes_by_device, kv_size_by_layer
+from engine.models.config import ModelConfig
+from engine.models.model import compute_dtype, resolve_model_path
+from engine.placement.devices import (
     CPU,
     Device,
     Placement,
@@ -22,17 +24,15 @@ from engine.devices import (
     plan_placement,
     resolve_gpus,
 )
-from engine.kv.factory import cache_layouts, kv_bytes_by_device, kv_size_by_layer
-from engine.models.config import ModelConfig
-from engine.models.model import compute_dtype, resolve_model_path
-from engine.settings_aliases import context_size, gpu_layers, with_swa_window
-from engine.weight_devices import (
+from engine.placement.weight_devices import (
     WeightDevices,
     model_bytes_by_device,
     parse_tensor_overrides,
     plan_weight_devices,
     weight_tensor_sizes,
 )
+from engine.sizing.compute_memory import compute_bytes_by_device
+from engine.sizing.settings_aliases import context_size, gpu_layers, with_swa_window
 
 log = logging.getLogger("kvscope.estimate")
 

@@ -1,0 +1,10 @@
+"""The watch layer: everything a view needs, rebuilt from the event stream alone.
+
+Nothing below this package imports torch or the model code, so a notebook, a terminal UI or a replay
+viewer that only watches loads quickly and can run on a machine without the engine's weights: the
+cache and device mirrors, per-cell history, SWA visibility, recordings and their reader.
+"""
+from engine.watch.device_mirror import DeviceMirror
+from engine.watch.mirror import CacheMirror
+
+__all__ = ["CacheMirror", "DeviceMirror"]
