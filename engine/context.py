@@ -206,8 +206,9 @@ class Context:
         self._logits: torch.Tensor | None = None
         self._output_batch_idx: np.ndarray = np.zeros(0, dtype=np.int64)
         self.last_error = ""
+        self.n_steps = 0  # decodes that passed validation: DecodeStarted.step numbers them
         if self.bus.active:
-            for event in self._created_events():
+            for event in self._created_events() + [self._vocabulary_event()]:
                 self.bus.publish(event)
         self.bus.add_state_source(self.state_events)
 
@@ -278,7 +279,11 @@ class Context:
     def state_events(self) -> list[ev.Event]:
         """The context as events: where the model is, what each device holds, ContextCreated and a full
         MemorySnapshot per cache. The bus gives them to every watcher that subscribes (EventBus.subscribe)."""
-        return self.devices.state_events() + self._created_events() + self.memory.snapshot_events()
+        return (self.devices.state_events() + self._created_events() + [self._vocabulary_event()]
+                + self.memory.snapshot_events())
+
+    def _vocabulary_event(self) -> ev.Vocabulary:
+        return ev.Vocabulary(self.model.name, self.model.token_pieces())
 
     def publish_state(self) -> None:
         """Publish state_events() to every watcher, e.g. to resync one that lost events."""
@@ -301,8 +306,9 @@ class Context:
                                    memory=self.memory)
         except InvalidBatchError as e:
             return self._fail(-1, f"{e}\ndecode: failed to initialize batch", n, t0)
+        self.n_steps += 1
         if self.bus.active:
-            self.bus.publish(ev.DecodeStarted(n, alloc.n_outputs, alloc.seq_id_unq))
+            self.bus.publish(ev.DecodeStarted(n, alloc.n_outputs, alloc.seq_id_unq, step=self.n_steps - 1))
         self.memory.update()
         plan = self.memory.init_batch(alloc, self.params.n_ubatch)
         if plan is None:

@@ -11,12 +11,13 @@ it by an EventsDropped record) but never blocks or breaks generation.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, Iterator
 
 import numpy as np
 
@@ -81,14 +82,17 @@ class CellsChanged(Event):
     changes: tuple[StreamCells, ...]
     tentative: bool = False
     quirk: str = ""  # set when the change is llama.cpp behaviour that looks unintended (the QUIRK_* texts of engine/kv/cache.py)
+    cause: str = ""  # who asked for it, above the cache: "context shift", "request finished", "command: seq_rm", ...
 
 
 @dataclass(frozen=True, eq=False)
 class CellsAllocated(CellsChanged):
-    """A ubatch's tokens were placed in cells (apply_ubatch)."""
+    """A ubatch's tokens were placed in cells (apply_ubatch). tokens[k]: the token id of each cell of
+    changes[k], in the same order."""
 
     ubatch: int = 0
     n_tokens: int = 0
+    tokens: tuple[np.ndarray, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -236,9 +240,33 @@ class DeviceMemoryState(Event):
 
 @dataclass(frozen=True, eq=False)
 class DecodeStarted(Event):
+    """A llama_decode call begins. step: the context's decode count (0 for its first decode); every cell
+    event until the matching DecodeFinished belongs to this step."""
+
     n_tokens: int
     n_outputs: int
     seq_ids: tuple[int, ...]
+    step: int = -1
+
+
+@dataclass(frozen=True, eq=False)
+class SequenceAssigned(Event):
+    """A runner gave a sequence id a job: `request` names it (a client's request, a prompt), `prompt` is
+    its text. Cells of that sequence from here on belong to it."""
+
+    seq_id: int
+    request: str
+    prompt: str
+    n_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class Vocabulary(Event):
+    """The text of every token id of the context's model (pieces[id], as decoded alone), so that a
+    watcher with no tokenizer (a replay, a remote viewer) can say which token a cell holds."""
+
+    model_name: str
+    pieces: tuple[str, ...]
 
 
 @dataclass(frozen=True, eq=False)
@@ -359,6 +387,21 @@ class EventBus:
         # Whoever publishes state here (a Context) registers a function that describes that state as
         # events, so that a watcher subscribing late starts from it. Weak: the bus keeps no context alive.
         self._state_sources: list[weakref.WeakMethod] = []
+        self._causes: list[str] = []  # set by the thread that drives the engine (see cause())
+
+    @contextlib.contextmanager
+    def cause(self, text: str) -> Iterator[None]:
+        """Cell events published inside this block carry `cause=text` (the innermost block wins), so
+        that a viewer can say why a cell changed: a context shift, a finished request, a command."""
+        self._causes.append(text)
+        try:
+            yield
+        finally:
+            self._causes.pop()
+
+    @property
+    def current_cause(self) -> str:
+        return self._causes[-1] if self._causes else ""
 
     def add_state_source(self, state_events: Callable[[], list[Event]]) -> None:
         """Register a bound method returning the events that describe its owner's current state; every

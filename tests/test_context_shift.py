@@ -13,8 +13,8 @@ import engine
 from engine import events as ev
 from engine.batch import Batch
 from engine.cli import main
-from engine.runners.generate import Generator, resolve_n_keep
 from engine.rope import Rotary
+from engine.runners.generate import Generator, resolve_n_keep
 from engine.sampling import SamplerParams
 
 GREEDY = SamplerParams(temperature=0.0)

@@ -12,10 +12,10 @@ import torch
 import engine
 from engine.batch import Batch
 from engine.errors import ModelFileError
-from engine.runners.generate import Generator
 from engine.kv.iswa import swa_cache_size
 from engine.models import model as model_module
 from engine.models.load import read_checkpoint
+from engine.runners.generate import Generator
 from engine.sampling import SamplerParams
 
 DEMO = model_module.DEMO_MODEL_PATH

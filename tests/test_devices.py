@@ -12,6 +12,7 @@ import torch
 
 import engine
 from engine.batch import Batch
+from engine.errors import ContextParamsError, DeviceSpecError, KvscopeError
 from engine.placement.devices import (
     CPU,
     Device,
@@ -21,7 +22,6 @@ from engine.placement.devices import (
     resolve_gpus,
     virtual_device,
 )
-from engine.errors import ContextParamsError, DeviceSpecError, KvscopeError
 from tests.model_factory import f32_weight_bytes, in_memory_model
 
 N_LAYER = 4

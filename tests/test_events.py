@@ -295,13 +295,14 @@ def test_bounded_queue_never_blocks_and_reports_drops():
 def test_mirror_on_a_bounded_queue_goes_stale_and_resyncs():
     ctx, _, _ = make()
     late = engine.CacheMirror()
-    sub = late.attach(ctx.bus, maxsize=8)  # 4 events of state first: placement, device memory, context, snapshot
+    sub = late.attach(ctx.bus, maxsize=8)  # 5 events of state first: placement, device memory, context, vocabulary,
+    # snapshot
     for i in range(4):  # 5 events each
         prefill(ctx, 0, 1, start=i)
-    assert late.sync() == 8 and sub.dropped == 16 and not late.stale
+    assert late.sync() == 8 and sub.dropped == 17 and not late.stale
     ctx.memory.seq_rm(0, 3, -1)  # room again: the EventsDropped notice, then this event
     assert late.sync() == 2
-    assert late.stale and late.stats.dropped == 16
+    assert late.stale and late.stats.dropped == 17
     ctx.publish_state()
     late.sync()
     assert not late.stale
@@ -340,16 +341,16 @@ def test_subscribe_callback_thread_receives_events():
     ctx.bus.subscribe_callback(lambda e: seen_threads.append(threading.current_thread()))
     prefill(ctx, 0, 3)
     assert done.wait(5)
-    assert kinds(got) == ["ModelPlaced", "DeviceMemoryState", "ContextCreated", "MemorySnapshot",  # the state first
+    assert kinds(got) == ["ModelPlaced", "DeviceMemoryState", "ContextCreated", "Vocabulary", "MemorySnapshot",  # the state first
                           "DecodeStarted", "CellsAllocated", "SlotsRolledBack", "CellsAllocated", "DecodeFinished"]
     deadline = time.monotonic() + 5
-    while len(seen_threads) < 9 and time.monotonic() < deadline:
+    while len(seen_threads) < 10 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert seen_threads and all(t is not caller for t in seen_threads)
     sub.close()
     prefill(ctx, 0, 1, start=3)
     time.sleep(0.3)
-    assert len(got) == 9, "a closed subscription gets nothing more"
+    assert len(got) == 10, "a closed subscription gets nothing more"
 
 
 def test_slow_callback_does_not_slow_decoding():
@@ -469,14 +470,14 @@ def test_a_subscription_can_start_without_the_state():
     ctx, _, _ = make()
     prefill(ctx, 0, 2)
     assert kinds(ctx.bus.subscribe().drain()) == ["ModelPlaced", "DeviceMemoryState", "ContextCreated",
-                                                  "MemorySnapshot"]
+                                                  "Vocabulary", "MemorySnapshot"]
     assert ctx.bus.subscribe(with_state=False).drain() == []
 
 
 def test_a_collected_context_gives_no_state():
     bus = engine.EventBus()
     ctx = engine.Context(MODEL, n_ctx=8, pad=8, bus=bus)
-    assert len(bus.subscribe().drain()) == 4
+    assert len(bus.subscribe().drain()) == 5
     del ctx
     gc.collect()
     assert kinds(bus.subscribe().drain()) == []

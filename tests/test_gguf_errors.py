@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from engine.errors import ModelFileError
-from engine.sizing.estimate import config_from_headers
 from engine.formats.gguf_file import (
     GGUF_ARCHITECTURES,
     gguf_tensor_name,
     hf_tensor_name,
 )
 from engine.models.load import expected_tensor_shapes, read_checkpoint
+from engine.sizing.estimate import config_from_headers
 from engine.testing import write_gguf_from_hf, write_hf_model
 from engine.testing.tiny_models import TINY_TEST_SHAPE
 from tests.model_factory import tiny_config

@@ -6,8 +6,8 @@ import logging
 import pytest
 
 import engine
-from engine.runners.generate import Generator
 from engine.kv.iswa import KVCacheISWA
+from engine.runners.generate import Generator
 from engine.sampling import SamplerParams
 
 GREEDY = SamplerParams(temperature=0.0)

@@ -17,11 +17,11 @@ import torch
 
 import engine
 from engine.cli import main
-from engine.sizing.compute_memory import compute_bytes_by_device
-from engine.placement.devices import CPU, Device, plan_placement, virtual_device
 from engine.errors import ContextParamsError
-from engine.sizing.memory_breakdown import MemoryBreakdown, breakdown_table
+from engine.placement.devices import CPU, Device, plan_placement, virtual_device
 from engine.placement.weight_devices import all_on_cpu, plan_weight_devices
+from engine.sizing.compute_memory import compute_bytes_by_device
+from engine.sizing.memory_breakdown import MemoryBreakdown, breakdown_table
 from tests.model_factory import in_memory_model, tiny_config
 
 MIB = 1 << 20

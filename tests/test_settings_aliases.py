@@ -12,8 +12,8 @@ import engine
 from engine import events as ev
 from engine.batch import Batch
 from engine.cli import build_parser, main
-from engine.placement.devices import resolve_gpus
 from engine.errors import ContextParamsError
+from engine.placement.devices import resolve_gpus
 from engine.sizing.estimate import estimate
 from engine.sizing.settings_aliases import check_context_settings, check_swa_window
 from tests.model_factory import in_memory_model

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from engine.context import ContextParams
-from engine.placement.devices import CPU
 from engine.errors import ContextParamsError
 from engine.kv.layout import CacheLayout
 from engine.kv.types import cache_type
+from engine.placement.devices import CPU
 
 
 def resolve(**kw):

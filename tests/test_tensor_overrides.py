@@ -14,10 +14,10 @@ import engine
 from engine import events as ev
 from engine.batch import Batch
 from engine.cli import main
-from engine.placement.devices import CPU, plan_placement, resolve_gpus
 from engine.errors import DeviceSpecError
-from engine.sizing.estimate import estimate
+from engine.placement.devices import CPU, plan_placement, resolve_gpus
 from engine.placement.weight_devices import parse_tensor_overrides, plan_weight_devices
+from engine.sizing.estimate import estimate
 from tests.model_factory import f32_weight_bytes, in_memory_model
 
 F32 = 4

@@ -348,7 +348,7 @@ class KVCache:
     def apply_ubatch(self, sinfo: SlotInfo, ubatch: UBatch, *, ubatch_index: int = 0,
                      tentative: bool = False) -> None:
         """Write the ubatch's positions and sequences into the chosen cells and move the heads."""
-        changes, max_rm = [], {}
+        changes, token_ids, max_rm = [], [], {}
         for (stream, tokens), idxs in zip(self._token_groups(ubatch), sinfo.idxs):
             cells = self.v_cells[stream]
             self._note_overwritten(cells, idxs, max_rm, stream)
@@ -359,8 +359,10 @@ class KVCache:
             cells.seq[flat_seq, np.repeat(idxs, counts)] = True
             self.v_heads[stream] = int(idxs[-1]) + 1
             changes.append(self._stream_cells(stream, idxs))
+            token_ids.append(ubatch.tokens[tokens])
         self._publish(ev.CellsAllocated, changes, ubatch=ubatch_index, n_tokens=ubatch.n_tokens,
-                      tentative=tentative)
+                      tentative=tentative,
+                      tokens=tuple(ev._frozen_array(t) for t in token_ids) if self.bus.active else ())
         # llama.cpp visits the seqs in ascending order and logs even when the seq has no cell left
         # (min -1: every cell of it was overwritten); that seq_rm then removes nothing.
         for (stream, seq_id), p_max in sorted(max_rm.items(), key=lambda kv: kv[0][1]):
@@ -499,7 +501,7 @@ class KVCache:
         # A change is None when it was built while nobody listened; a watcher that subscribed in
         # the middle of this operation misses it and resyncs from a snapshot (publish_state).
         if self.bus.active and all(c is not None for c in changes):
-            self.bus.publish(kind(cache=self.name, changes=tuple(changes), **fields))
+            self.bus.publish(kind(cache=self.name, changes=tuple(changes), cause=self.bus.current_cause, **fields))
 
     def snapshot_events(self) -> list[ev.MemorySnapshot]:
         """The complete cell state as one event (built even when nobody listens yet)."""

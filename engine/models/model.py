@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -51,9 +51,26 @@ class Model:
     def name(self) -> str:
         return self.config.name or Path(self.path).name
 
+    _pieces: tuple[str, ...] | None = field(default=None, init=False, repr=False, compare=False)
+
     @property
     def n_vocab(self) -> int:
         return self.config.n_vocab
+
+    def token_pieces(self) -> tuple[str, ...]:
+        """The text of every token id, each decoded alone (special tokens as written), computed once;
+        empty for a model without a tokenizer (the in-memory test models)."""
+        if self._pieces is None:
+            tok = self.tokenizer
+            self._pieces = () if tok is None else tuple(_piece(tok, i) for i in range(self.n_vocab))
+        return self._pieces
+
+
+def _piece(tokenizer: Tokenizer, token_id: int) -> str:
+    """A token's text; a token that is part of a UTF-8 character (a byte token) shows as its vocabulary
+    entry instead of a replacement character."""
+    text = tokenizer.decode([token_id])
+    return tokenizer.token_text(token_id) if "\ufffd" in text else text
 
 
 def load_model(path: str | Path, *, dtype: str = "f32") -> Model:

@@ -93,8 +93,9 @@ def context_shift(ctx: Context, seq_id: int, n_past: int, n_keep: int) -> Contex
     # the single sequence's context, i.e. n_ctx_seq here.
     log.warning("context full, swapping: n_past = %d, n_left = %d, n_ctx = %d, n_keep = %d, n_discard = %d",
                 n_past, n_left, ctx.params.n_ctx_seq, n_keep, n_discard)
-    ctx.memory.seq_rm(seq_id, n_keep, n_keep + n_discard)
-    ctx.memory.seq_add(seq_id, n_keep + n_discard, n_past, -n_discard)
+    with ctx.bus.cause(f"context shift of seq {seq_id}: n_keep = {n_keep}, n_discard = {n_discard}"):
+        ctx.memory.seq_rm(seq_id, n_keep, n_keep + n_discard)
+        ctx.memory.seq_add(seq_id, n_keep + n_discard, n_past, -n_discard)
     log.debug("after swap: n_past = %d", n_past - n_discard)
     return ContextShift(seq_id, n_past, n_keep, n_left, n_discard)
 
@@ -201,7 +202,11 @@ class Generator:
         tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not tokens:
             raise KvscopeError("the prompt is empty after tokenization")
-        self.ctx.memory.seq_rm(seq_id, -1, -1)
+        with self.ctx.bus.cause(f"new prompt for seq {seq_id}"):
+            self.ctx.memory.seq_rm(seq_id, -1, -1)
+        if self.ctx.bus.active:
+            label = prompt if isinstance(prompt, str) else self.tokenizer.decode(tokens)
+            self.ctx.bus.publish(ev.SequenceAssigned(seq_id, f"prompt of seq {seq_id}", label, len(tokens)))
         self.sampler.reset(seq_id)
         self.sampler.accept(tokens, seq_id)
         result = SequenceResult(seq_id, tokens)

@@ -192,8 +192,9 @@ class ParallelRunner:
             if rc != 0:
                 raise KvscopeError(f"failed to decode the system prompt (decode returned {rc}: "
                                    f"{self.ctx.last_error}); increase the context size")
-        for c in self.clients:  # assign the system prompt's cells to every client
-            self.ctx.memory.seq_cp(0, c.seq_id, -1, -1)
+        with self.ctx.bus.cause("system prompt shared"):
+            for c in self.clients:  # assign the system prompt's cells to every client
+                self.ctx.memory.seq_cp(0, c.seq_id, -1, -1)
         return self._info(0, "system", (), (), len(toks), len(toks), 0, calls, 0, n_batch, 0, (), [], [], t0)
 
     def _loop(self, pending: list[Request]) -> Iterator[StepInfo]:
@@ -240,7 +241,11 @@ class ParallelRunner:
                 prompt, n_past = own, len(self.system_tokens)
             else:
                 prompt, n_past = self.system_tokens + own, 0
-                self.ctx.memory.seq_rm(c.seq_id, -1, -1)
+                with self.ctx.bus.cause(f"request {req.id} admitted"):
+                    self.ctx.memory.seq_rm(c.seq_id, -1, -1)
+            if self.ctx.bus.active:
+                self.ctx.bus.publish(ev.SequenceAssigned(c.seq_id, f"client {c.index}, request {req.id}",
+                                                         req.question, len(prompt)))
             c.result = RequestResult(req, c.index, c.seq_id, prompt, n_past, admitted_step=step,
                                      t_admitted=time.perf_counter())
             self.results.append(c.result)
@@ -359,9 +364,10 @@ class ParallelRunner:
             tail = c.decoder.flush()
             r.text += tail
         r.finished_step, r.t_finished = step, time.perf_counter()
-        self.ctx.memory.seq_rm(c.seq_id, -1, -1)
-        if self.share_system_prompt:
-            self.ctx.memory.seq_cp(0, c.seq_id, -1, -1)
+        with self.ctx.bus.cause(f"request {r.request.id} finished ({r.stop_reason})"):
+            self.ctx.memory.seq_rm(c.seq_id, -1, -1)
+            if self.share_system_prompt:
+                self.ctx.memory.seq_cp(0, c.seq_id, -1, -1)
         if r.ok:
             log.debug("Client %3d, seq %3d/%3d, prompt %4d t, response %4d t, time %5.2f s, speed %5.2f t/s, "
                      "cache miss %d", c.index, r.request.id, self.n_sequences, r.n_prompt, r.n_decoded, r.time_s,
