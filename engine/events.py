@@ -148,7 +148,8 @@ class StreamCopyExecuted(Event):
 @dataclass(frozen=True, eq=False)
 class KShiftApplied(CellsChanged):
     """Stored keys were re-rotated by each cell's pending shift; shifts are now 0 everywhere.
-    `changes` lists the shifted cells with shift 0; `amounts` gives the shift applied per cell."""
+    `changes` lists the shifted cells with shift 0, one record per stream; `amounts[k]` gives the shift
+    applied to each cell of changes[k]."""
 
     amounts: tuple[np.ndarray, ...] = ()
     n_layers: int = 0
@@ -261,6 +262,46 @@ class SequenceAssigned(Event):
 
 
 @dataclass(frozen=True, eq=False)
+class SessionStatus(Event):
+    """Where a session (engine/runners/session.py) stands. state: "running", "paused", "idle" (running,
+    with nothing to do), "finished" (the workload ended), "stopped" or "closed". step: workload steps
+    done. steps_per_second: the speed limit, 0 for as fast as possible."""
+
+    state: str
+    step: int
+    workload: str
+    steps_per_second: float = 0.0
+    message: str = ""
+
+
+@dataclass(frozen=True, eq=False)
+class CommandDone(Event):
+    """A session command ran: `command` is its name, `args` its arguments as text; ok, or the error's
+    message. A failing command changes nothing and stops nothing else."""
+
+    command: str
+    args: str
+    ok: bool
+    error: str = ""
+    ms: float = 0.0
+
+
+@dataclass(frozen=True, eq=False)
+class WorkloadStep(Event):
+    """One step of a session's workload: its decodes (n_tokens in all, the last return code), the tokens
+    it sampled, and the sequences still generating afterwards."""
+
+    step: int
+    workload: str
+    phase: str
+    n_tokens: int
+    n_sampled: int
+    rc: int
+    ms: float
+    active_seqs: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
 class Vocabulary(Event):
     """The text of every token id of the context's model (pieces[id], as decoded alone), so that a
     watcher with no tokenizer (a replay, a remote viewer) can say which token a cell holds."""
@@ -306,6 +347,29 @@ class EventsDropped(Event):
     count: int
     first_seq_no: int
     last_seq_no: int
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionWeights(Event):
+    """Where a sequence's last output token of decode `step` looked (Context(publish_attention=True)):
+    its attention probabilities over the cells, after the mask, averaged over the query heads.
+
+    One record per cache that holds some of the model's layers ("kv", or "base" and "swa" of an iSWA
+    pair), as parallel tuples: record k covers layers layer_ids[k] of cache caches[k], stream
+    streams[k], and weights[k] is float32 [len(layer_ids[k]), len(cells[k])] over those cell indices
+    (the attention window, cells 0 .. n_kv - 1), each row summing to 1 and 0 on masked cells. A token
+    shared by several sequences was masked as its last listed one, so all of them get its weights.
+    The cells are as that token's ubatch saw them: a later ubatch of the same decode may reuse one."""
+
+    seq_id: int
+    step: int
+    batch_index: int  # the token's index in its batch
+    pos: int
+    caches: tuple[str, ...]
+    streams: tuple[int, ...]
+    layer_ids: tuple[tuple[int, ...], ...]
+    cells: tuple[np.ndarray, ...]
+    weights: tuple[np.ndarray, ...]
 
 
 class Subscription:
@@ -410,7 +474,13 @@ class EventBus:
             self._state_sources = [r for r in self._state_sources if r() is not None]
             self._state_sources.append(weakref.WeakMethod(state_events))
 
-    def _current_state(self) -> list[Event]:
+    def current_state(self) -> list[Event]:
+        """The state of every live context on this bus, as events stamped with the seq_no of the last
+        event published before it (taken under the bus lock, so nothing is published meanwhile)."""
+        with self._lock:
+            return self._stamped_state()
+
+    def _stamped_state(self) -> list[Event]:
         events = []
         for ref in self._state_sources:
             source = ref()
@@ -434,7 +504,7 @@ class EventBus:
         sub = Subscription(self, maxsize, kinds)
         with self._lock:
             if with_state:
-                for event in self._current_state():
+                for event in self._stamped_state():
                     sub._offer(event)
             self._subs = self._subs + (sub,)
         return sub

@@ -470,7 +470,7 @@ class KVCache:
                     # Quantized K: dequantized, re-roped in f32, quantized again (as llama.cpp).
                     keys = k.read_cells(s, cell_idx).view(-1, lo.n_head_kv, lo.head_dim)
                     k.write(stream_idx, cell_idx, self._key_shifter(il, keys, delta).reshape(len(idxs), -1))
-                amounts.append(ev._frozen_array(cells.shift[idxs]))
+            amounts.append(ev._frozen_array(cells.shift[idxs]))  # one per change, empty for an unshifted stream
             cells.reset_shift()
             changes.append(self._stream_cells(s, idxs))
         self._publish(ev.KShiftApplied, changes, amounts=tuple(amounts), n_layers=len(self.k))

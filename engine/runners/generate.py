@@ -63,6 +63,7 @@ class _Running:
     decoder: object
     last_token: int = -1
     n_keep: int = 0
+    n_predict: int = 64
 
 
 def check_n_predict(n_predict: int) -> None:
@@ -120,6 +121,8 @@ class Generator:
                         "disabling KV cache shifting")
             self.context_shift = False
         self.shifts: list[ContextShift] = []  # every context shift, in order
+        self.last_rc = 0  # the return code of the last decode
+        self.last_n_tokens = 0  # tokens decoded since a step began (GenerationRun resets it)
 
     def generate(self, prompt: str | Sequence[int], n_predict: int = 64, *, seq_id: int = 0,
                  on_text: TextCallback | None = None) -> SequenceResult:
@@ -148,6 +151,11 @@ class Generator:
             pass
         return results
 
+    def run(self, on_text: TextCallback | None = None) -> GenerationRun:
+        """An open set of sequences, advanced one decode per step(); prompts can join between steps.
+        What the session's generation workload drives."""
+        return GenerationRun(self, on_text)
+
     # ---- the loop ---------------------------------------------------------------------------
     def _steps(self, prompts, n_predict, seq_ids, on_text, results_out) -> Iterator[None]:
         seq_ids = list(range(len(prompts))) if seq_ids is None else list(seq_ids)
@@ -158,45 +166,10 @@ class Generator:
             raise KvscopeError(f"{len(prompts)} prompts but {len(seq_ids)} seq ids")
         if len(set(seq_ids)) != len(seq_ids):
             raise KvscopeError(f"seq ids must be distinct, got {seq_ids}")
-        running = [self._start(prompt, s) for prompt, s in zip(prompts, seq_ids)]
-        results_out.extend(r.result for r in running)
-        first_logits = self._prefill(running)
-        if first_logits is None:
-            return
-        yield
-        active = running
-        if n_predict == 0:  # llama.cpp evaluates the prompt and stops
-            for r in running:
-                r.result.stop_reason = "length"
-            return
-        self._sample_all(active, torch.stack(first_logits), on_text)
-        while True:  # n_predict - 1 more steps; n_predict -1: until every sequence stops on its own
-            active = [r for r in active if not self._finished(r, n_predict)]
-            if self.context_shift:
-                active = self._make_room(active)
-            if not active:
-                break
-            while True:
-                batch = Batch([r.last_token for r in active], [r.next_pos for r in active],
-                              [[r.result.seq_id] for r in active], [True] * len(active))
-                rc = self.ctx.decode(batch)
-                if rc == 1 and self.context_shift and self._shift_longest(active):
-                    continue  # llama.cpp would only see the failure; shifting frees cells, so retry
-                break
-            if rc != 0:
-                self._stop_all(active, rc)
-                break
-            for r in active:
-                r.next_pos += 1
-            self._sample_all(active, self.ctx.all_logits(), on_text)
+        run = self.run(on_text)
+        results_out.extend(run.add(prompt, s, n_predict) for prompt, s in zip(prompts, seq_ids))
+        while run.step():
             yield
-        for r in running:
-            self._finished(r, n_predict)
-            tail = r.decoder.flush()
-            if tail:
-                r.result.text += tail
-                if on_text:
-                    on_text(r.result.seq_id, tail)
 
     def _start(self, prompt, seq_id: int) -> _Running:
         tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
@@ -224,7 +197,8 @@ class Generator:
             batch = Batch([r.result.prompt_tokens[i] for r, i in chunk], [i for _, i in chunk],
                           [[r.result.seq_id] for r, _ in chunk],
                           [i == len(r.result.prompt_tokens) - 1 for r, i in chunk])
-            rc = self.ctx.decode(batch)
+            rc = self.last_rc = self.ctx.decode(batch)
+            self.last_n_tokens += len(chunk)
             if rc != 0:
                 self._stop_all(running, rc)
                 return None
@@ -296,3 +270,109 @@ class Generator:
         for r in running:
             if not r.result.stop_reason:
                 r.result.stop_reason = reason
+
+
+class GenerationRun:
+    """Sequences generated together, one decode per step: the prompts added since the last step are
+    prefilled first (a step of their own), then every running sequence advances by one token in one
+    decode. A sequence stops at its n_predict, an end-of-generation token, or a full context."""
+
+    def __init__(self, generator: Generator, on_text: TextCallback | None = None) -> None:
+        self.gen = generator
+        self.on_text = on_text
+        self.results: list[SequenceResult] = []
+        self._new: list[_Running] = []
+        self._active: list[_Running] = []
+
+    @property
+    def done(self) -> bool:
+        return not self._new and not self._active
+
+    def running_seq_ids(self) -> list[int]:
+        return [r.result.seq_id for r in self._new + self._active]
+
+    def add(self, prompt: str | Sequence[int], seq_id: int, n_predict: int = 64) -> SequenceResult:
+        """A new sequence (its cells are cleared first); prefilled at the next step."""
+        check_n_predict(n_predict)
+        if seq_id in self.running_seq_ids():
+            raise KvscopeError(f"seq {seq_id} is still generating; give another seq id or wait until it stops")
+        r = self.gen._start(prompt, seq_id)
+        r.n_predict = n_predict
+        self._new.append(r)
+        self.results.append(r.result)
+        return r.result
+
+    def shifted(self, seq_id: int, n_discard: int) -> None:
+        """A running sequence was moved down by n_discard positions (a context shift made from outside
+        the run): its next token goes there too. A sequence not prefilled yet is refused."""
+        for r in self._active:
+            if r.result.seq_id == seq_id:
+                r.next_pos -= n_discard
+                return
+        if seq_id in self.running_seq_ids():
+            raise KvscopeError(f"seq {seq_id} has not been prefilled yet; shift it once it generates")
+
+    def stop(self, seq_id: int, reason: str) -> None:
+        """Stop generating for a sequence (its cells stay): e.g. its cells were replaced by a loaded state."""
+        for r in self._new + self._active:
+            if r.result.seq_id == seq_id and not r.result.stop_reason:
+                r.result.stop_reason = reason
+        self._new = [r for r in self._new if r.result.seq_id != seq_id]
+        self._retire()
+
+    def step(self) -> bool:
+        """One decode (a prefill of new prompts counts as one step). False when nothing is left to do."""
+        gen = self.gen
+        gen.last_n_tokens = 0
+        if self._new:
+            self._prefill_new()
+            return True
+        active = [r for r in self._active if not gen._finished(r, r.n_predict)]
+        if gen.context_shift:
+            active = gen._make_room(active)
+        self._retire()
+        if not active:
+            return False
+        while True:
+            batch = Batch([r.last_token for r in active], [r.next_pos for r in active],
+                          [[r.result.seq_id] for r in active], [True] * len(active))
+            rc = gen.last_rc = gen.ctx.decode(batch)
+            gen.last_n_tokens += len(batch)
+            if rc == 1 and gen.context_shift and gen._shift_longest(active):
+                continue  # llama.cpp would only see the failure; shifting frees cells, so retry
+            break
+        if rc != 0:
+            gen._stop_all(active, rc)
+        else:
+            for r in active:
+                r.next_pos += 1
+            gen._sample_all(active, gen.ctx.all_logits(), self.on_text)
+        self._retire()
+        return True
+
+    def _prefill_new(self) -> None:
+        gen, new, self._new = self.gen, self._new, []
+        first_logits = gen._prefill(new)
+        if first_logits is None:  # the prefill decode failed: _prefill stopped them
+            return
+        for r in new:
+            if r.n_predict == 0:  # llama.cpp evaluates the prompt and stops
+                r.result.stop_reason = "length"
+        going = [(r, lg) for r, lg in zip(new, first_logits) if r.n_predict != 0]
+        if going:
+            gen._sample_all([r for r, _ in going], torch.stack([lg for _, lg in going]), self.on_text)
+        self._active += [r for r, _ in going]
+
+    def _retire(self) -> None:
+        """Sequences that stopped leave the run; their decoders give up any text they held back."""
+        still = []
+        for r in self._active:
+            if self.gen._finished(r, r.n_predict):
+                tail = r.decoder.flush()
+                if tail:
+                    r.result.text += tail
+                    if self.on_text:
+                        self.on_text(r.result.seq_id, tail)
+            else:
+                still.append(r)
+        self._active = still

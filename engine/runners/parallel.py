@@ -132,6 +132,8 @@ class ParallelRunner:
         self.t_end = 0.0
         self.n_sequences = 0
         self._started = False
+        self._pending: list[Request] = []  # not arrived yet; submit() adds to it while the run goes on
+        self._keep_open = False
 
     # ---- public API -------------------------------------------------------------------------
     def run(self, n_sequences: int | None = None, *, requests: Sequence[Request] | None = None,
@@ -142,15 +144,17 @@ class ParallelRunner:
             pass
         return sorted(self.results, key=lambda r: r.request.id)
 
-    def steps(self, requests: Sequence[Request]) -> Iterator[StepInfo]:
+    def steps(self, requests: Sequence[Request], *, keep_open: bool = False) -> Iterator[StepInfo]:
         """Run the workload one step at a time: each StepInfo says what the step's batch did.
-        A runner runs one workload."""
+        A runner runs one workload. keep_open: when every request is done, yield "idle" steps (no
+        decode) instead of ending, so that requests given to submit() later are still served."""
         if self._started:
             raise KvscopeError("this ParallelRunner has already run a workload; create a new one")
         self._started = True
         pending = sorted(requests, key=lambda r: (r.arrival_step, r.id))
         if len({r.id for r in pending}) != len(pending):
             raise KvscopeError("request ids must be distinct")
+        self._pending, self._keep_open = pending, keep_open
         self.n_sequences = len(pending)
         self.t_start = time.perf_counter()
         log.info("main: Simulating parallel requests from clients:")
@@ -159,9 +163,41 @@ class ParallelRunner:
         try:
             if self.share_system_prompt:
                 yield self._decode_system_prompt()
-            yield from self._loop(pending)
+            yield from self._loop(self._pending)
         finally:
             self.t_end = time.perf_counter()
+
+    def submit(self, question: str, n_predict: int, arrival_step: int = 0) -> Request:
+        """A request that joins a running workload (steps() must have started): it arrives at
+        arrival_step or, if that has passed, at the next step. Returns it, with its id."""
+        if not self._started:
+            raise KvscopeError("submit() joins a running workload: start it with steps() first")
+        if n_predict < 1:
+            raise KvscopeError(f"n_predict must be >= 1, got {n_predict}")
+        ids = [r.id for r in self._pending] + [r.request.id for r in self.results]
+        req = Request(max(ids, default=-1) + 1, question, n_predict, arrival_step)
+        self._pending.append(req)
+        self._pending.sort(key=lambda r: (r.arrival_step, r.id))
+        self.n_sequences += 1
+        return req
+
+    def shifted(self, seq_id: int, n_discard: int) -> None:
+        """The sequence of a generating client was moved down by n_discard positions (a context shift
+        made from outside the run): its next token goes there too."""
+        c = self._generating_client(seq_id)
+        c.n_past -= n_discard
+
+    def check_shift(self, seq_id: int) -> None:
+        """Refuse a context shift the run could not follow: a client still decoding its prompt."""
+        self._generating_client(seq_id)
+
+    def _generating_client(self, seq_id: int) -> _Client:
+        for c in self.clients:
+            if c.seq_id == seq_id:
+                if c.state == "prompt":
+                    raise KvscopeError(f"seq {seq_id} is still decoding its prompt; shift it once it generates")
+                return c
+        raise KvscopeError(f"seq {seq_id} is no client's sequence (clients use 1..{self.n_clients})")
 
     def summary(self) -> RunSummary:
         done = [r for r in self.results if r.ok]
@@ -208,7 +244,11 @@ class ParallelRunner:
             while pending and pending[0].arrival_step <= step:
                 waiting.append(pending.pop(0))
             if not busy and not waiting:
-                break
+                if not self._keep_open:
+                    break
+                yield self._info(step, "idle", (), (), 0, 0, 0, (), 0, self.ctx.n_batch, 0, (), waiting, pending,
+                                 time.perf_counter())
+                continue
             t0 = time.perf_counter()
             admitted = self._admit(waiting, step)
             entries = self._build_batch()

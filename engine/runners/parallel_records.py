@@ -73,7 +73,7 @@ class StepInfo:
     """What one step did, for front-ends driving the run live."""
 
     step: int
-    phase: str  # "system" (the shared system prompt) or "batch"
+    phase: str  # "system" (the shared system prompt), "batch", or "idle" (nothing to do; keep_open runs)
     admitted: tuple[tuple[int, int], ...]  # (request id, client)
     finished: tuple[RequestResult, ...]  # ended in this step (failed ones included)
     n_tokens: int  # tokens in the step's batch

@@ -1,0 +1,97 @@
+"""One watcher of a session: its subscription, the cache and device mirrors, the cell history, and what
+a status line shows. Front-ends own one each and call poll() when they redraw.
+
+A watcher whose bounded queue overflowed has missed events, so its mirror may be wrong. It notices the
+EventsDropped notice, asks its source for the current state (Session.current_state, or the remote
+session's), rebuilds the mirror from it and skips every queued event the state already contains: a view
+is never wrong without saying so (`stale` is true only until that resync), and never for long.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Callable
+
+from engine import events as ev
+from engine.watch.history import CellHistory
+from engine.watch.mirror import CacheMirror
+
+StateSource = Callable[[], list[ev.Event]]
+
+
+class Watcher:
+    """Mirrors, history and status of one event stream, kept in step by poll()."""
+
+    def __init__(self, subscription: ev.Subscription, current_state: StateSource | None = None, *,
+                 history_depth: int = 8, recent: int = 2000) -> None:
+        """subscription: where events come from (Session.subscribe(), or a remote one); current_state:
+        where a fresh state comes from after lost events (None: wait for the next snapshot)."""
+        self.subscription = subscription
+        self.current_state = current_state
+        self.mirror = CacheMirror()
+        self.history = CellHistory(history_depth)
+        self.recent: collections.deque[ev.Event] = collections.deque(maxlen=recent)  # for the event log
+        self.status: ev.SessionStatus | None = None
+        self.last_step: ev.WorkloadStep | None = None
+        self.last_error: ev.CommandDone | None = None
+        self.events = 0
+        self.resyncs = 0
+        self.dropped = 0
+        self._skip_until: int | None = None  # events stamped at or before it are in the last resync's state
+
+    @classmethod
+    def of(cls, source, *, maxsize: int = 1 << 16, **options) -> Watcher:
+        """A watcher of anything with subscribe(maxsize) and current_state(): a Session, a RemoteSession."""
+        return cls(source.subscribe(maxsize), source.current_state, **options)
+
+    @property
+    def stale(self) -> bool:
+        return self.mirror.stale
+
+    def poll(self) -> int:
+        """Apply every event that arrived; returns how many were applied."""
+        applied = 0
+        for event in self.subscription.drain():
+            if isinstance(event, ev.EventsDropped):
+                if self._skip_until is None or event.last_seq_no > self._skip_until:
+                    self.mirror.apply(event)  # marks the mirror stale
+                    self._resync()
+                continue
+            if self._skip_until is not None and event.seq_no <= self._skip_until:
+                continue
+            self.apply(event)
+            applied += 1
+        # A full queue tells its watcher only with the next event that fits, so after draining it ask
+        # the queue itself whether it dropped anything since: the view is then right at once.
+        dropped = getattr(self.subscription, "dropped", 0)
+        if dropped > self.dropped:
+            self.dropped = dropped
+            self.mirror.stale = True
+            self._resync()
+        return applied
+
+    def apply(self, event: ev.Event) -> None:
+        self.events += 1
+        self.mirror.apply(event)
+        self.history.apply(event)
+        self.recent.append(event)
+        if isinstance(event, ev.SessionStatus):
+            self.status = event
+        elif isinstance(event, ev.WorkloadStep):
+            self.last_step = event
+        elif isinstance(event, ev.CommandDone) and not event.ok:
+            self.last_error = event
+
+    def _resync(self) -> None:
+        if self.current_state is None:
+            return  # stays stale until a MemorySnapshot comes by itself
+        state = self.current_state()
+        mirror = CacheMirror()
+        for event in state:
+            mirror.apply(event)
+            if isinstance(event, ev.Vocabulary):  # the rest would reset the history of cells it still holds
+                self.history.apply(event)
+        mirror.stats.dropped = self.dropped
+        self.mirror = mirror
+        if state:
+            self._skip_until = max(e.seq_no for e in state)
+        self.resyncs += 1
