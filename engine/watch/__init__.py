@@ -5,6 +5,10 @@ viewer that only watches loads quickly and can run on a machine without the engi
 cache and device mirrors, per-cell history, SWA visibility, recordings and their reader.
 """
 from engine.watch.device_mirror import DeviceMirror
+from engine.watch.history import CellHistory
 from engine.watch.mirror import CacheMirror
+from engine.watch.visibility import CellVisibility, LayerKind, SequenceVisibility, visibility
+from engine.watch.watcher import Watcher
 
-__all__ = ["CacheMirror", "DeviceMirror"]
+__all__ = ["CacheMirror", "CellHistory", "CellVisibility", "DeviceMirror", "LayerKind", "SequenceVisibility",
+           "Watcher", "visibility"]
