@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 import engine
-from engine.runners.generate import Generator
 from engine.models.transformer import project
+from engine.runners.generate import Generator
 from engine.sampling import SamplerParams
 
 CONFIG = dict(vocab_size=16000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,

@@ -27,6 +27,7 @@ from engine.sizing.settings_aliases import (
     gpu_layers,
     parse_gpu_layers,
 )
+from engine.watch.protocol import DEFAULT_BIND, DEFAULT_PORT
 
 log = logging.getLogger("kvscope.cli")
 
@@ -136,7 +137,9 @@ class CommandParser(ExactFlagParser):
     def parse_args(self, args=None, namespace=None) -> argparse.Namespace:
         namespace, extras = self.parse_known_args(args, namespace)
         if extras:
-            parser = self.commands.get(getattr(namespace, "command", None), self)
+            # "record generate" names the command that `record` runs, whose flags the usage should show
+            name = " ".join(filter(None, (getattr(namespace, "command", None), getattr(namespace, "recorded", None))))
+            parser = self.commands.get(name, self)
             parser.error(unrecognized_message(extras, parser.prog))
         return namespace
 
@@ -182,7 +185,43 @@ def build_parser() -> argparse.ArgumentParser:
     def command(name: str, **kwargs) -> argparse.ArgumentParser:
         return sub.add_parser(name, allow_abbrev=False, formatter_class=DefaultsHelpFormatter, **kwargs)
 
-    gen = command("generate", help="generate text and print llama.cpp's logs")
+    _add_generate_flags(command("generate", help="generate text and print llama.cpp's logs"))
+    _add_parallel_flags(command("parallel", help=PARALLEL_HELP))
+    est = command("estimate", help="memory per device for a model and context settings, from the file headers only")
+    _add_context_flags(est)
+    est.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    est.add_argument("--fit", action="store_true",
+                     help="propose the largest -ngl, then the largest -c, that fit the devices (-ngl is ignored)")
+    est.add_argument("-fitt", "--fit-target", type=int, default=0, metavar="MiB",
+                     help="with --fit: MiB to leave free on every GPU (default 0; llama.cpp's is 1024)")
+    est.add_argument("-fitc", "--fit-ctx", type=int, default=0, metavar="N",
+                     help="with --fit: the smallest context it may propose; layers are fitted at this context")
+    tiny = command("make-tiny-model", help="write a tiny random llama (HF folder and GGUF) for demos")
+    tiny.add_argument("folder")
+    _add_serve_flags(command("serve", help=SERVE_HELP))
+    record = command("record", help="run generate or parallel and record every event to a file "
+                                    "(docs/recording-format.md)")
+    record.add_argument("-o", "--output", required=True, metavar="FILE",
+                        help="the recording to write, e.g. run.kvtrace; an existing file is replaced (no default: "
+                             "required)")
+    record.add_argument("--keyframe-every", type=int, default=1000, metavar="K",
+                        help="store the whole cache state every K events, so that a viewer seeks fast")
+    recorded = record.add_subparsers(dest="recorded", required=True, parser_class=ExactFlagParser,
+                                     metavar="{generate,parallel}")
+    commands = dict(sub.choices)
+    for name, add_flags, text in (("generate", _add_generate_flags, "kvscope generate, recorded"),
+                                  ("parallel", _add_parallel_flags, "kvscope parallel, recorded")):
+        nested = recorded.add_parser(name, allow_abbrev=False, formatter_class=DefaultsHelpFormatter, help=text)
+        add_flags(nested)
+        commands[f"record {name}"] = nested
+    parser.commands = commands
+    return parser
+
+
+PARALLEL_HELP = "N clients answering a stream of requests with continuous batching (llama.cpp's parallel example)"
+
+
+def _add_generate_flags(gen: argparse.ArgumentParser) -> None:
     _add_context_flags(gen)
     _add_sampling_flags(gen)
     gen.add_argument("-p", "--prompt", default="Once upon a time", help="the text to continue")
@@ -195,8 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--keep", type=int, default=0,
                      help="tokens of the prompt to keep on a context shift (-1 = the whole prompt; BOS is always "
                           "kept)")
-    par = command("parallel", help="N clients answering a stream of requests with continuous batching "
-                                   "(llama.cpp's parallel example)")
+
+
+def _add_parallel_flags(par: argparse.ArgumentParser) -> None:
     _add_context_flags(par, np_default=4, np_help=f"number of clients (1 to {MAX_SEQ - 1}: one sequence more holds "
                                                    f"the shared system prompt)")
     _add_sampling_flags(par)
@@ -209,19 +249,39 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--no-pps", dest="pps", action="store_false",
                      help="do not share the system prompt: every request decodes it in its own sequence")
     par.add_argument("--steps", action="store_true", help="print one line per step (batch, decodes, cache use)")
-    est = command("estimate", help="memory per device for a model and context settings, from the file headers only")
-    _add_context_flags(est)
-    est.add_argument("--json", action="store_true", help="print the estimate as JSON")
-    est.add_argument("--fit", action="store_true",
-                     help="propose the largest -ngl, then the largest -c, that fit the devices (-ngl is ignored)")
-    est.add_argument("-fitt", "--fit-target", type=int, default=0, metavar="MiB",
-                     help="with --fit: MiB to leave free on every GPU (default 0; llama.cpp's is 1024)")
-    est.add_argument("-fitc", "--fit-ctx", type=int, default=0, metavar="N",
-                     help="with --fit: the smallest context it may propose; layers are fitted at this context")
-    tiny = command("make-tiny-model", help="write a tiny random llama (HF folder and GGUF) for demos")
-    tiny.add_argument("folder")
-    parser.commands = dict(sub.choices)
-    return parser
+
+
+SERVE_HELP = "run a session (a model, a context, a workload) and serve it to RemoteSession clients over ZeroMQ"
+
+
+def _add_serve_flags(p: argparse.ArgumentParser) -> None:
+    _add_context_flags(p, np_default=4, np_help=f"sequences of the context (idle, generate), or clients of the parallel "
+                                                f"workload (1 to {MAX_SEQ - 1}; it takes one sequence more)")
+    _add_sampling_flags(p)
+    p.add_argument("--workload", default="idle", choices=["idle", "generate", "parallel"],
+                   help="what runs between commands: idle (a prompt is decoded at once; the cache is yours), generate "
+                        "(prompts generate together), parallel (clients answering a stream of requests)")
+    p.add_argument("-p", "--prompt", action="append", default=None, metavar="TEXT",
+                   help="a prompt to add at start (repeatable; default: none)")
+    p.add_argument("-n", "--n-predict", type=int, default=64,
+                   help="tokens per prompt (-1: until end of generation); parallel: the most a request may generate")
+    p.add_argument("--context-shift", action="store_true",
+                   help="generate: when a sequence's context is full, discard half of it after --keep tokens and go on")
+    p.add_argument("--keep", type=int, default=0, help="generate: tokens of the prompt kept on a context shift")
+    p.add_argument("-ns", "--sequences", type=int, default=16, help="parallel: requests of the simulated stream")
+    p.add_argument("--arrival-gap", type=int, default=2, help="parallel: mean number of steps between two arrivals")
+    p.add_argument("--system-prompt", default=None, help="parallel: the shared system prompt (default: a built-in one)")
+    p.add_argument("--no-pps", dest="pps", action="store_false", help="parallel: do not share the system prompt")
+    p.add_argument("--speed", type=float, default=0.0, metavar="STEPS_PER_S",
+                   help="steps per second while running (0: as fast as possible)")
+    p.add_argument("--start", action="store_true", help="run at once (else paused until a client sends start)")
+    p.add_argument("--bind", default=DEFAULT_BIND,
+                   help="the interface to listen on: 127.0.0.1 is this machine only; 0.0.0.0 is every interface, and "
+                        "then commands need the token printed at start")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="the command port; events go out on the port after it")
+    p.add_argument("--token", default=None,
+                   help="the token every command must carry (default: none on 127.0.0.1; elsewhere a random one, "
+                        "printed at start)")
 
 
 def _context_kwargs(args: argparse.Namespace) -> dict:
@@ -284,7 +344,8 @@ def _load_model(args: argparse.Namespace):
     return model, (time.perf_counter() - t_load) * 1e3
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def cmd_generate(args: argparse.Namespace, bus=None) -> int:
+    """bus: the EventBus the context publishes on (`record` passes one with a recorder attached)."""
     import engine
     from engine.runners.generate import Generator, check_n_predict
 
@@ -293,7 +354,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampler_params(args)
     _hint_kv_cache_debug(args.verbose)
     model, load_ms = _load_model(args)
-    ctx = engine.Context(model, **settings)
+    ctx = engine.Context(model, bus=bus, **settings)
     gen = Generator(ctx, params, context_shift=args.context_shift, n_keep=args.keep)
     log.info("sampler seed: %d", gen.sampler.seed)
     n_par = args.parallel
@@ -314,7 +375,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_parallel(args: argparse.Namespace) -> int:
+def cmd_parallel(args: argparse.Namespace, bus=None) -> int:
+    """bus: as for cmd_generate."""
     import engine
     from engine.runners.parallel import (
         DEFAULT_SYSTEM_PROMPT,
@@ -337,7 +399,7 @@ def cmd_parallel(args: argparse.Namespace) -> int:
     requests = make_schedule(args.sequences, seed=args.seed, n_predict=args.n_predict, arrival_gap=args.arrival_gap)
     _hint_kv_cache_debug(args.verbose)
     model, load_ms = _load_model(args)
-    ctx = engine.Context(model, **settings)
+    ctx = engine.Context(model, bus=bus, **settings)
     runner = ParallelRunner(ctx, args.parallel, params, system_prompt=system_prompt, share_system_prompt=args.pps)
     log.info("sampler seed: %d", runner.seed)
     for info in runner.steps(requests):
@@ -439,6 +501,106 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_record(args: argparse.Namespace) -> int:
+    """Run generate or parallel with a Recorder on the context's bus."""
+    from engine.events import EventBus
+    from engine.watch.recording import Recorder
+
+    if args.keyframe_every < 1:
+        raise KvscopeError(f"--keyframe-every must be >= 1, got {args.keyframe_every}")
+    settings = {k: v for k, v in vars(args).items() if k not in ("command", "recorded", "output", "keyframe_every")}
+    bus = EventBus()
+    recorder = Recorder(args.output, args.keyframe_every, info={"command": args.recorded, "settings": settings})
+    recorder.attach(bus)
+    recorder.start()
+    try:
+        rc = {"generate": cmd_generate, "parallel": cmd_parallel}[args.recorded](args, bus=bus)
+    except BaseException:
+        try:
+            _close_recording(recorder, quiet=recorder.n_events == 0)
+        except KvscopeError as e:  # the command's own error is the one to report
+            log.warning("warning: %s", e)
+        raise
+    _close_recording(recorder, quiet=False)
+    return rc
+
+
+def _close_recording(recorder, quiet: bool) -> None:
+    """Complete the file and say what it holds; `quiet`: the command failed before any event, so there is
+    nothing worth keeping and the file goes."""
+    recorder.close()
+    if quiet:
+        recorder.path.unlink(missing_ok=True)
+        return
+    print(f"kvscope record: wrote {recorder.n_events} events, {recorder.n_keyframes} keyframes, "
+          f"{recorder.bytes_written} bytes to {recorder.path}", file=sys.stderr)
+    if recorder.dropped:
+        log.warning("warning: the recorder's queue overflowed and %d events are missing from the recording (an "
+                    "EventsDropped event marks where)", recorder.dropped)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """A Session served over ZeroMQ until SIGINT or SIGTERM (engine/runners/serve.py)."""
+    from engine.runners.serve import SessionServer, stop_on_signals, wait_until_stopped
+    from engine.runners.session import Session
+
+    spec = _served_workload(args)
+    settings = _checked_context_kwargs(args, spec.n_seq_max_needed() if spec.kind == "parallel" else args.parallel)
+    _hint_kv_cache_debug(args.verbose)
+    with SessionServer(args.bind, args.port, args.token) as server:  # binds now: a taken port fails before loading
+        session = Session(args.model, settings=settings, workload=spec, steps_per_second=args.speed, dtype=args.dtype)
+        with stop_on_signals() as stop:  # from here on a signal stops cleanly, closing included
+            try:
+                server.start(session)
+                for prompt in args.prompt or []:
+                    session.add_prompt(prompt).result()
+                if args.start:
+                    session.start().result()
+                _print_serve_banner(server, session)
+                reason = wait_until_stopped(server, stop)
+            finally:
+                server.close()  # first: clients hear that the server stops, not that the session closed
+                session.close()
+    print(f"kvscope serve: stopped ({reason}) after {server.commands} commands ({server.refused} refused), "
+          f"{server.events_sent} events sent", file=sys.stderr)
+    return 0
+
+
+def _served_workload(args: argparse.Namespace):
+    """The WorkloadSpec of `serve`'s flags, checked before anything loads."""
+    from engine.runners.parallel import DEFAULT_SYSTEM_PROMPT, check_system_prompt
+    from engine.runners.workloads import WorkloadSpec
+
+    system_prompt = DEFAULT_SYSTEM_PROMPT if args.system_prompt is None else args.system_prompt
+    if args.workload == "parallel":
+        if args.parallel >= MAX_SEQ:
+            raise KvscopeError(f"-np must be <= {MAX_SEQ - 1} for the parallel workload, got {args.parallel}: it takes "
+                               f"one sequence more for the shared system prompt, and a context holds at most {MAX_SEQ}")
+        if args.sequences < 0:
+            raise KvscopeError(f"--sequences must be >= 0, got {args.sequences}")
+        check_system_prompt(system_prompt, args.pps)
+    return WorkloadSpec(kind=args.workload, n_predict=args.n_predict, n_clients=args.parallel,
+                        n_sequences=args.sequences, arrival_gap=args.arrival_gap, schedule_seed=args.seed,
+                        system_prompt=system_prompt, share_system_prompt=args.pps, context_shift=args.context_shift,
+                        n_keep=args.keep, sampler=_sampler_params(args))
+
+
+def _print_serve_banner(server, session) -> None:
+    """Where to connect, on stdout (a script reads it): with the token when commands need one."""
+    import socket
+
+    status = session.status()
+    host = socket.gethostname() if server.bind in ("0.0.0.0", "*", "::") else server.bind
+    token = f", token={server.token!r}" if server.token else ""
+    lines = [f"kvscope serve: {status.model}, {status.workload} workload, {status.state}",
+             f"kvscope serve: commands on {server.command_address}, events on {server.event_address}"]
+    if server.token:
+        lines.append(f"kvscope serve: token: {server.token}")
+    lines += [f"kvscope serve: connect with RemoteSession(\"tcp://{host}:{server.port}\"{token})",
+              "kvscope serve: ready; SIGINT (Ctrl-C) or SIGTERM stops it"]
+    print("\n".join(lines), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = _log_to_stderr(verbose=getattr(args, "verbose", False))
@@ -452,7 +614,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     commands = {"generate": cmd_generate, "parallel": cmd_parallel, "estimate": cmd_estimate,
-                "make-tiny-model": cmd_make_tiny_model}
+                "make-tiny-model": cmd_make_tiny_model, "record": cmd_record,
+                "serve": cmd_serve}
     try:
         rc = commands[args.command](args)
         sys.stdout.flush()  # now rather than at exit, so that a reader that went away is noticed in main

@@ -36,6 +36,7 @@ from engine.errors import (
     InvalidBatchError,
 )
 from engine.kv import state_files
+from engine.kv.attention import AttentionProbe
 from engine.kv.factory import build_memory
 from engine.kv.memory import Memory
 from engine.kv.slot_debug import level_from_env
@@ -132,7 +133,8 @@ class Context:
                  devices: Sequence[Device | str] | None = None, n_gpu_layers: int | None = None,
                  tensor_split: Sequence[float] | None = None, offload_kqv: bool = True,
                  tensor_overrides: Sequence[str] | None = None, kvsize: int | None = None,
-                 swa_window: int | None = None, kv_cache_debug: int | None = None) -> None:
+                 swa_window: int | None = None, kv_cache_debug: int | None = None,
+                 publish_attention: bool = False) -> None:
         """devices: the GPUs to offload to (None: the real ones found; see engine.placement.devices.resolve_gpus),
         n_gpu_layers/tensor_split/offload_kqv/tensor_overrides as llama.cpp's -ngl/-ts/-kvo/-ot
         ("REGEX=DEVICE" items; see engine.placement.weight_devices). Each layer's K/V and, when anything is
@@ -142,7 +144,9 @@ class Context:
         Names from llama.cpp articles (engine.sizing.settings_aliases): kvsize is n_ctx (default 512, llama.cpp's
         library default; 0: n_ctx_train); n_gpu_layers defaults to $LLAMA_OFFLOAD_LAYERS, else 0;
         swa_window replaces a sliding-window model's window for the caches. kv_cache_debug: llama.cpp's
-        LLAMA_KV_CACHE_DEBUG level for the slot-search dump (None: the environment variable)."""
+        LLAMA_KV_CACHE_DEBUG level for the slot-search dump (None: the environment variable).
+        publish_attention: after each decode, publish an AttentionWeights event per sequence with an output
+        token (its last one's attention over the cells, per layer, head-averaged) while anyone listens."""
         if not isinstance(model, Model):
             raise ArgumentTypeError(f"Context: model must be an engine.Model (from engine.load_model), got "
                                     f"{type(model).__name__}")
@@ -152,8 +156,9 @@ class Context:
                                                              ("kv_cache_debug", kv_cache_debug)))
         n_batch, n_ubatch, n_seq_max, pad = ints("Context", n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max,
                                                  pad=pad)
-        kv_unified, swa_full, offload_kqv = (flag_arg(v, name, "Context") for name, v in (
-            ("kv_unified", kv_unified), ("swa_full", swa_full), ("offload_kqv", offload_kqv)))
+        kv_unified, swa_full, offload_kqv, publish_attention = (flag_arg(v, name, "Context") for name, v in (
+            ("kv_unified", kv_unified), ("swa_full", swa_full), ("offload_kqv", offload_kqv),
+            ("publish_attention", publish_attention)))
         type_k, type_v, flash_attn = (str_arg(v, name, "Context") for name, v in (
             ("type_k", type_k), ("type_v", type_v), ("flash_attn", flash_attn)))
         if devices is not None:
@@ -178,6 +183,7 @@ class Context:
             swa_full=swa_full, head_dims=(cfg.head_dim,) * cfg.n_layer)
         self.bus = bus if bus is not None else ev.EventBus()
         self.abort_callback = abort_callback
+        self.publish_attention = publish_attention
         self.perf = PerfCounters()
         p = self.params
         self.devices = ContextDevices(model, cfg, p, devices=devices, n_gpu_layers=n_gpu_layers,
@@ -318,6 +324,8 @@ class Context:
 
     def _run_ubatches(self, alloc: BatchAllocator, ubatches, slots, t0: float) -> int:
         transformer = self.model.transformer
+        # computed only while someone listens, as every event is
+        probe = AttentionProbe(alloc.seq_ids, alloc.output) if self.publish_attention and self.bus.active else None
         out_idx, out_logits, ms = [], [], []
         for k, (ub, sinfo) in enumerate(zip(ubatches, slots)):
             tu = time.perf_counter()
@@ -325,9 +333,10 @@ class Context:
             attn = self.memory.attention_inputs(sinfo, ub)
             rows = np.flatnonzero(ub.output)
             moved, copy_s = transformer.bytes_moved, transformer.copy_seconds
+            ub_probe = None if probe is None else probe.for_ubatch(ub, attn)
             try:
                 logits = transformer.forward(torch.from_numpy(ub.tokens), torch.from_numpy(ub.pos), attn,
-                                             torch.from_numpy(rows), self.abort_callback)
+                                             torch.from_numpy(rows), self.abort_callback, probe=ub_probe)
             except DecodeAborted:
                 self._remove_failed_ubatch(ub)
                 return self._fail(2, "decode: aborted by the abort callback", alloc.n_tokens, t0, ubatches)
@@ -347,6 +356,9 @@ class Context:
         logits = out_logits[0] if len(out_logits) == 1 else torch.cat(out_logits)
         in_order = bool(np.all(order[1:] > order[:-1]))
         self._logits = logits if in_order else logits[torch.from_numpy(order)]
+        if probe is not None:  # inside the step and its time: DecodeFinished still closes it
+            for event in probe.events(self.n_steps - 1):
+                self.bus.publish(event)
         self._account(alloc.n_tokens, t0, ms)
         if self.bus.active:
             self.bus.publish(ev.DecodeFinished(0, alloc.n_tokens, tuple(u.n_tokens for u in ubatches),

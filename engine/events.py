@@ -21,7 +21,7 @@ from typing import Callable, ClassVar, Iterator
 
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: provenance (cause, tokens, step), sessions, vocabulary, attention weights
 CALLBACK_INTERVAL = 0.05  # seconds a subscribe_callback thread waits to deliver events in batches
 
 log = logging.getLogger("kvscope.events")
@@ -33,6 +33,9 @@ def _frozen_array(values, dtype=np.int64) -> np.ndarray:
     return arr
 
 
+SEQ_BITS_BYTES = 32  # a cell's sequence bitset: LLAMA_MAX_SEQ = 256 bits
+
+
 def pack_seq_bits(seq_matrix: np.ndarray) -> np.ndarray:
     """(MAX_SEQ, n) bool -> (n, MAX_SEQ // 8) uint8, one bitset row per cell."""
     return _frozen_array(np.packbits(seq_matrix.T, axis=1, bitorder="little"), np.uint8)
@@ -41,6 +44,24 @@ def pack_seq_bits(seq_matrix: np.ndarray) -> np.ndarray:
 def unpack_seq_bits(bits: np.ndarray) -> np.ndarray:
     """(n, MAX_SEQ // 8) uint8 -> (MAX_SEQ, n) bool."""
     return np.unpackbits(bits, axis=1, bitorder="little").astype(bool).T
+
+
+_POPCOUNT = np.array([bin(b).count("1") for b in range(256)], dtype=np.int16)
+
+
+def seq_counts(bits: np.ndarray) -> np.ndarray:
+    """The number of sequences in each cell of packed bitsets (n, 32) -> (n,) int16."""
+    return _POPCOUNT[bits].sum(axis=1, dtype=np.int16)
+
+
+def lowest_seq_ids(bits: np.ndarray) -> np.ndarray:
+    """The lowest sequence id of each cell of packed bitsets (n, 32) -> (n,) int16; -1 for an empty one.
+    Byte by byte: no unpacking of every cell to 256 bools."""
+    nonzero = bits != 0
+    first_byte = nonzero.argmax(axis=1)
+    byte = bits[np.arange(len(bits)), first_byte].astype(np.int16)
+    low_bit = np.log2((byte & -byte).clip(min=1)).astype(np.int16)
+    return np.where(nonzero.any(axis=1), first_byte.astype(np.int16) * 8 + low_bit, -1).astype(np.int16)
 
 
 @dataclass(frozen=True, eq=False)

@@ -33,6 +33,61 @@ def test_events_and_mirrors_import_and_work_without_torch():
     assert not loaded & {"engine.context", "engine.models.model", "engine.kv.cache"}, loaded
 
 
+def test_recordings_write_and_replay_without_torch(tmp_path):
+    """A replay viewer reads recordings on a machine without torch (engine/watch/codec.py, recording.py)."""
+    done = run_python(f"""
+        import numpy as np
+        from engine import events as ev
+        from engine.watch.codec import decode_event, encode_event
+        from engine.watch.recording import Recorder, RecordingReader
+        created = ev.ContextCreated(cache="kv", n_ctx=8, n_ctx_seq=8, kv_size=8, n_stream=1, n_seq_max=1, n_layer=1,
+                                    type_k="f16", type_v="f16", v_trans=False, k_bytes=1, v_bytes=1, n_batch=8,
+                                    n_ubatch=8, pad=8, unified=True, model_name="m", log_lines=())
+        seq = np.zeros((256, 2), dtype=bool)
+        seq[0] = True
+        cells = ev.StreamCells(0, np.array([0, 1]), np.array([0, 1]), np.array([0, 0]), ev.pack_seq_bits(seq), 2)
+        placed = ev.CellsAllocated(cache="kv", changes=(cells,), tokens=(np.array([5, 6]),))
+        assert encode_event(decode_event(encode_event(placed))) == encode_event(placed)
+        with Recorder({str(tmp_path / "t.kvtrace")!r}, keyframe_every=1) as rec:
+            rec.write(created)
+            rec.write(placed)
+        with RecordingReader({str(tmp_path / "t.kvtrace")!r}) as reader:
+            assert len(reader) == 2 and reader.keyframes == (0, 1)
+            assert reader.mirror_at(1).cells(0) == [(0, frozenset({{0}}), 0), (1, frozenset({{0}}), 0)] + [
+                (-1, frozenset(), 0)] * 6
+        print(" ".join(sorted(m for m in sys.modules if m.startswith("engine"))))
+    """)
+    assert done.returncode == 0, done.stderr
+    loaded = set(done.stdout.split())
+    assert {"engine.watch.codec", "engine.watch.recording"} <= loaded
+    assert not loaded & {"engine.context", "engine.models.model", "engine.kv.cache"}, loaded
+
+
+def test_a_remote_session_works_without_torch():
+    """A laptop front-end drives a remote engine (engine/watch/remote.py) with no torch and no engine code."""
+    done = run_python("""
+        import socket
+        from engine.watch.remote import RemoteSession, RemoteSessionError
+        from engine.watch.watcher import Watcher
+        with socket.socket() as probe:  # a port where nothing listens
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        with RemoteSession(f"tcp://127.0.0.1:{port}", timeout=0.3) as remote:
+            assert remote.status().state == "disconnected"
+            try:
+                remote.start().result(10)
+            except RemoteSessionError as e:
+                assert "no answer from tcp://127.0.0.1" in str(e), e
+            else:
+                raise AssertionError("a command to nowhere succeeded")
+        print(" ".join(sorted(m for m in sys.modules if m.startswith("engine"))))
+    """)
+    assert done.returncode == 0, done.stderr
+    loaded = set(done.stdout.split())
+    assert {"engine.watch.remote", "engine.watch.protocol", "engine.watch.codec"} <= loaded
+    assert not loaded & {"engine.context", "engine.models.model", "engine.runners.session", "engine.kv.cache"}, loaded
+
+
 def test_the_blocked_import_really_blocks_torch():
     """The check above means something only if reaching the model code fails under the same block."""
     done = run_python("import engine; engine.Context")

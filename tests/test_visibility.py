@@ -26,7 +26,12 @@ from engine.errors import MemoryOperationError
 from engine.kv.attention import UbatchAttention
 from engine.kv.cells import MAX_SEQ
 from engine.kv.swa import SwaType
-from engine.watch.visibility import CacheVisibility, CellVisibility, LayerKind, visibility
+from engine.watch.visibility import (
+    CacheVisibility,
+    CellVisibility,
+    LayerKind,
+    visibility,
+)
 from tests.model_factory import in_memory_model
 
 EMPTY, OTHER, ATTENDED, MASKED, FUTURE = (CellVisibility.EMPTY, CellVisibility.OTHER, CellVisibility.ATTENDED,

@@ -1,5 +1,6 @@
 """Per-ubatch attention inputs: store the ubatch's K/V in the cache, read every visible row, and the
-KQ mask built from the cells (llama_kv_cache::set_input_kq_mask, src/llama-kv-cache.cpp)."""
+KQ mask built from the cells (llama_kv_cache::set_input_kq_mask, src/llama-kv-cache.cpp); and the
+probe that collects where each sequence's last output token looked (Context(publish_attention=True))."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
@@ -7,6 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
+from engine import events as ev
 from engine.batch import UBatch
 from engine.kv.cells import KVCells
 from engine.kv.swa import attends
@@ -41,7 +43,8 @@ class UbatchAttention:
         self._stream_slice = (slice(streams[0], streams[0] + 1) if self.n_groups == 1 else
                               torch.tensor(streams, dtype=torch.long))
         n_per = sinfo.n_per_stream
-        self._token_stream = torch.tensor(np.repeat(streams, n_per), dtype=torch.long)
+        self.token_streams = np.repeat(streams, n_per)  # the stream of each ubatch token
+        self._token_stream = torch.from_numpy(self.token_streams.astype(np.int64))
         self._token_cell = torch.from_numpy(np.concatenate(sinfo.idxs).astype(np.int64))
         self.mask = self._build_mask(sinfo, ubatch)  # [groups, 1, n_per, n_kv] bool, True = attend
         self._mask_on: dict[torch.device, torch.Tensor] = {self.mask.device: self.mask}
@@ -75,3 +78,74 @@ class UbatchAttention:
         if mask is None:  # built on the host once; one copy per device whose layers attend
             mask = self._mask_on[k.device] = self.mask.to(k.device)
         return out[0], out[1], mask
+
+    def parts(self) -> tuple[UbatchAttention, ...]:
+        """The attention inputs of each cache behind this object: just this one."""
+        return (self,)
+
+
+def last_outputs(seq_ids: tuple[tuple[int, ...], ...], output: np.ndarray) -> dict[int, int]:
+    """seq id -> batch index of that sequence's last output token, for every sequence that has one."""
+    last: dict[int, int] = {}
+    for i in np.flatnonzero(output):
+        for s in seq_ids[i]:
+            last[s] = int(i)
+    return last
+
+
+class UbatchProbe:
+    """The forward pass's WeightsProbe (engine/models/transformer.py) for one ubatch: the rows wanted
+    and each layer's weights, read back per cache once the ubatch is done."""
+
+    def __init__(self, ubatch: UBatch, attn, rows: np.ndarray) -> None:
+        """attn: the ubatch's attention inputs (UbatchAttention, or an iSWA pair's ISWAAttention)."""
+        self.rows = rows.tolist()
+        self._ubatch = ubatch
+        self._parts = [part for part in attn.parts() if part.cache.layout.layer_ids]
+        self._weights: dict[int, torch.Tensor] = {}
+
+    def keep(self, il: int, weights: torch.Tensor) -> None:
+        self._weights[il] = weights
+
+    def records(self) -> dict[int, tuple]:
+        """batch index -> (pos, caches, streams, layer_ids, cells, weights): AttentionWeights' fields."""
+        # one host copy per cache: [n_layers of the cache, rows, n_kv]
+        stacked = [torch.stack([self._weights[il] for il in part.cache.layout.layer_ids]).cpu().numpy()
+                   for part in self._parts]
+        cells = [ev._frozen_array(np.arange(part.n_kv)) for part in self._parts]
+        out = {}
+        for k, r in enumerate(self.rows):
+            out[int(self._ubatch.idxs[r])] = (
+                int(self._ubatch.pos[r]),
+                tuple(part.cache.name for part in self._parts),
+                tuple(int(part.token_streams[r]) for part in self._parts),
+                tuple(part.cache.layout.layer_ids for part in self._parts),
+                tuple(cells),
+                tuple(ev._frozen_array(w[:, k], np.float32) for w in stacked))
+        return out
+
+
+class AttentionProbe:
+    """One decode's attention probe: which token of each sequence to watch (its last output token),
+    a UbatchProbe for each ubatch that holds one, and the AttentionWeights events once all succeeded."""
+
+    def __init__(self, seq_ids: tuple[tuple[int, ...], ...], output: np.ndarray) -> None:
+        self._last = last_outputs(seq_ids, output)
+        self._wanted = np.array(sorted(set(self._last.values())), dtype=np.int64)
+        self._probes: list[UbatchProbe] = []
+
+    def for_ubatch(self, ubatch: UBatch, attn) -> UbatchProbe | None:
+        """The probe to pass to this ubatch's forward pass; None when it holds no watched token."""
+        rows = np.flatnonzero(np.isin(ubatch.idxs, self._wanted))
+        if not rows.size:
+            return None
+        probe = UbatchProbe(ubatch, attn, rows)
+        self._probes.append(probe)
+        return probe
+
+    def events(self, step: int) -> list[ev.AttentionWeights]:
+        """One event per sequence, by seq id; sequences sharing a token share its arrays."""
+        records: dict[int, tuple] = {}
+        for probe in self._probes:
+            records.update(probe.records())
+        return [ev.AttentionWeights(s, step, i, *records[i]) for s, i in sorted(self._last.items())]

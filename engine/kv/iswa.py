@@ -43,6 +43,10 @@ class ISWAAttention:
         attn = self.swa_attn if il in self._swa_layers else self.base_attn
         return attn.store_and_load(il, k, v, dtype)
 
+    def parts(self) -> tuple:
+        """The attention inputs of each cache: base, then SWA (the attention probe reads both)."""
+        return (self.base_attn, self.swa_attn)
+
 
 class KVCacheISWA:
     """Two KVCache instances over disjoint layer sets: `base` (full attention) and `swa`."""

@@ -47,6 +47,16 @@ class AttentionInputs(Protocol):
                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
+class WeightsProbe(Protocol):
+    """Asks one ubatch's forward pass for the attention weights of a few of its tokens (the context's
+    publish_attention setting): `rows` are token indices into the ubatch, ascending; `keep` receives
+    each layer's weights, [len(rows), n_kv] float32 on the layer's K/V device."""
+
+    rows: list[int]
+
+    def keep(self, il: int, weights: torch.Tensor) -> None: ...
+
+
 class DecodeAborted(Exception):
     """Raised inside the forward pass when the abort callback asks to stop."""
 
@@ -134,6 +144,34 @@ def softcapped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = probs.view(G, Hkv, n_rep * Tg, -1) @ values  # [G, Hkv, n_rep * Tg, D]
     return out.view(G, H, Tg, D)
+
+
+def attention_weights(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, rows: list[int], scale: float,
+                      cap: float) -> torch.Tensor:
+    """The attention probabilities of the ubatch tokens `rows`, averaged over the query heads: [len(rows), n_kv]
+    float32, 0 on masked cells. Scores are formed in the compute dtype, scaled, soft-capped (cap > 0)
+    and masked as the real attention does, then normalised in float32.
+
+    q [G, H, Tg, D]; keys [G, Hkv, n_kv, D]; mask [G, 1, Tg, n_kv] (True = attend); rows index the
+    ubatch's tokens group after group. Rows are taken a group at a time, so that a group's K is read
+    in place rather than copied per row."""
+    _, H, Tg, D = q.shape
+    Hkv, n_kv = keys.shape[1], keys.shape[2]
+    by_group: dict[int, list[int]] = {}
+    for r in rows:
+        by_group.setdefault(r // Tg, []).append(r % Tg)
+    out = []
+    for g, ts in by_group.items():
+        P = len(ts)
+        # consecutive rows (one per sequence in a decode step) as a slice: views, not gathers
+        t = slice(ts[0], ts[0] + P) if ts[-1] - ts[0] == P - 1 else torch.tensor(ts, device=q.device)
+        qg = q[g][:, t].reshape(Hkv, (H // Hkv) * P, D)  # query head h reads KV head h // (H / Hkv)
+        scores = (qg @ keys[g].transpose(-1, -2)) * scale  # [Hkv, n_rep * P, n_kv]
+        if cap:
+            scores = softcap(scores, cap)
+        scores = torch.where(mask[g, 0, t], scores.view(Hkv, H // Hkv, P, n_kv), float("-inf"))
+        out.append(torch.softmax(scores, dim=-1, dtype=torch.float32).mean(dim=(0, 1)))
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 class Transformer:
@@ -283,7 +321,7 @@ class Transformer:
         return sum(t.numel() for t in tensors)
 
     def _attention(self, il: int, layer: LayerWeights, devs: LayerDevices, x: torch.Tensor,
-                   rope: "RopeTables", attn: AttentionInputs) -> torch.Tensor:
+                   rope: "RopeTables", attn: AttentionInputs, probe: WeightsProbe | None) -> torch.Tensor:
         """Self-attention of one layer over the cache; x: [T, C] residual on devs.residual. Returns
         [T, C] on devs.residual. Each step runs where its weights are; the cache reads and the
         attention itself run on the layer's K/V device, as llama.cpp schedules them (so -nkvo
@@ -308,6 +346,8 @@ class Transformer:
         else:
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True,
                                                scale=self.attn_scale)
+        if probe is not None:  # from the same q, K and mask, after the real attention, which it leaves alone
+            probe.keep(il, attention_weights(q, keys, mask, probe.rows, cfg.attn_scale, cfg.attn_softcap))
         o = o.transpose(1, 2).reshape(T, cfg.n_head * cfg.head_dim)
         o = project(to(o, devs.kv, devs.wo), layer.wo, layer.bo)
         if layer.post_attn_norm is None:
@@ -328,13 +368,15 @@ class Transformer:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs,
-                output_rows: torch.Tensor, should_abort: Callable[[], bool] | None = None) -> torch.Tensor:
+                output_rows: torch.Tensor, should_abort: Callable[[], bool] | None = None, *,
+                probe: WeightsProbe | None = None) -> torch.Tensor:
         """tokens, positions: [T]; output_rows: indices into the ubatch. Returns [len(output_rows), n_vocab]
-        float32 logits."""
-        return self.forward_train(tokens, positions, attn, output_rows, should_abort)
+        float32 logits. probe: also hand it every layer's attention weights of its rows."""
+        return self.forward_train(tokens, positions, attn, output_rows, should_abort, probe=probe)
 
     def forward_train(self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs,
-                      output_rows: torch.Tensor, should_abort: Callable[[], bool] | None = None) -> torch.Tensor:
+                      output_rows: torch.Tensor, should_abort: Callable[[], bool] | None = None, *,
+                      probe: WeightsProbe | None = None) -> torch.Tensor:
         """`forward` without inference mode, so that autograd records it: when the tensors the
         Transformer was built from require grad, the loss reaches them through the fused, input-major
         weights (tools/train_demo_model.py trains this way with engine.models.full_sequence)."""
@@ -349,7 +391,7 @@ class Transformer:
                 raise DecodeAborted(f"aborted before layer {il}")
             x = to(x, at, devs.residual)  # a layer boundary: a copy only where the device changes
             at = devs.residual
-            x = x + self._attention(il, layer, devs, x, rope, attn)
+            x = x + self._attention(il, layer, devs, x, rope, attn, probe)
             x = x + self._mlp(layer, devs, x)
         x = x[output_rows.to(x.device)]  # only the output rows cross to the output layer
         x = self._norm(to(x, at, wd.output_norm), self.norm, cfg.rms_norm_eps)

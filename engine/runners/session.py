@@ -32,8 +32,9 @@ from engine.arguments import int_arg, optional_int
 from engine.context import Context
 from engine.errors import KvscopeError
 from engine.models.model import Model, load_model
-from engine.runners.workloads import IDLE, StepOutcome, WorkloadSpec, make_workload
+from engine.runners.workloads import IDLE, WorkloadSpec, make_workload
 from engine.sizing.estimate import estimate
+from engine.watch.protocol import Status, StepOutcome
 
 log = logging.getLogger("kvscope.session")
 
@@ -44,18 +45,6 @@ DEFAULT_SETTINGS: dict[str, Any] = dict(n_ctx=512, n_seq_max=8, kv_unified=True)
 
 class SessionClosedError(KvscopeError):
     """A command was sent to a session that is closed."""
-
-
-@dataclass(frozen=True)
-class Status:
-    """A session's state as its worker left it after the last command or step."""
-
-    state: str  # "running", "paused", "idle", "finished", "stopped", "closed"
-    step: int
-    workload: str
-    steps_per_second: float  # 0: as fast as possible
-    model: str
-    settings: dict
 
 
 @dataclass
@@ -86,6 +75,10 @@ class Session:
         self._lock = threading.Lock()  # guards what status() reads
         self._queue: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._closed = False
+        # what each sequence serves, for the state a new watcher starts from (the runners publish it once)
+        self._assignments = self.bus.subscribe(kinds=(ev.SequenceAssigned,), with_state=False)
+        self._assigned: dict[int, ev.SequenceAssigned] = {}
+        self.bus.add_state_source(self._state_events)
         self.threaded = threaded
         self._thread: threading.Thread | None = None
         if threaded:
@@ -214,6 +207,17 @@ class Session:
         generating."""
         seq_id = optional_int(seq_id, "seq_id", "load_state")
         return self._submit("load_state", lambda: self._do_load(source, seq_id), f"seq {seq_id}")
+
+    def engine_cells(self) -> Future:
+        """The cells and head of every stream of every cache, as the engine itself reads them between two
+        steps: {cache name: {"cells": [per stream: [(pos, seq ids, shift), ...]], "heads": [...]}}. What a
+        watcher of this session (or of a remote one) can be compared with."""
+        def read() -> dict:
+            return {cache.name: {"cells": [cache.cells(s) for s in range(cache.n_stream)],
+                                 "heads": [cache.head(s) for s in range(cache.n_stream)]}
+                    for cache in self.ctx.memory.caches()}
+
+        return self._submit("engine_cells", read, quiet=True)
 
     def current_state(self) -> list[ev.Event]:
         """The context's state as events, stamped with the last event published before it: what a watcher
@@ -409,6 +413,14 @@ class Session:
         return n_read
 
     # ---- helpers ---------------------------------------------------------------------------------
+    def _state_events(self) -> list[ev.Event]:
+        """The session's part of a new watcher's starting state: its status, and the sequences' jobs."""
+        for event in self._assignments.drain():
+            self._assigned[event.seq_id] = event
+        status = self.status()
+        return [ev.SessionStatus(status.state, status.step, status.workload, status.steps_per_second),
+                *self._assigned.values()]
+
     def _new_context(self, settings: dict, spec: WorkloadSpec, model: Model | None = None) -> Context:
         settings = dict(settings)
         settings["n_seq_max"] = max(settings.get("n_seq_max", 1), spec.n_seq_max_needed())

@@ -20,19 +20,9 @@ from engine.runners.generate import Generator
 from engine.runners.parallel import DEFAULT_SYSTEM_PROMPT, ParallelRunner
 from engine.runners.parallel_workload import make_schedule
 from engine.sampling import SamplerParams
+from engine.watch.protocol import StepOutcome
 
 WORKLOAD_KINDS = ("idle", "generate", "parallel")
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    """What one step did. phase "idle": nothing to do (no decode)."""
-
-    phase: str
-    n_tokens: int = 0
-    n_sampled: int = 0
-    rc: int = 0
-    active_seqs: tuple[int, ...] = ()
 
 
 IDLE = StepOutcome("idle")

@@ -51,6 +51,22 @@ class DeviceMirror:
                                              {"weights": d.weights, "kv": d.kv, "compute": d.compute})
                          for d in event.devices}
 
+    def state_events(self) -> list[ev.Event]:
+        """Events that give a fresh DeviceMirror this one's state: the placement as received, then every
+        row as a DeviceMemoryState (after the placement, which would otherwise add rows of its own)."""
+        if self.placement is None and not self.rows:
+            return []
+        rows = ev.DeviceMemoryState(tuple(
+            ev.DeviceBytes(r.name, r.virtual, r.capacity, r.reserved, r.bytes.get("weights", 0), r.bytes.get("kv", 0),
+                           r.bytes.get("compute", 0)) for r in self.rows.values()))
+        return ([self.placement] if self.placement is not None else []) + [rows]
+
+    def snapshot(self) -> dict:
+        """Rows and the placement event, for comparing two mirrors (CacheMirror.snapshot)."""
+        return {"rows": {name: {"virtual": r.virtual, "capacity": r.capacity, "reserved": r.reserved,
+                                "bytes": dict(r.bytes)} for name, r in self.rows.items()},
+                "placement": self.placement}
+
     def _row(self, name: str, virtual: bool, capacity: int | None) -> DeviceRow:
         """The device's row; a new one with these facts if none yet."""
         return self.rows.setdefault(name, DeviceRow(name, virtual, capacity))

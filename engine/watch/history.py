@@ -37,23 +37,24 @@ class HistoryEntry:
 
 
 class _StreamColumns:
-    """The ring of entries of every cell of one stream."""
+    """The ring of entries of every cell of one stream: one int64 row per entry, a field per column."""
 
     def __init__(self, size: int, depth: int) -> None:
         self.depth = depth
         self.count = np.zeros(size, dtype=np.int64)  # entries ever written per cell
-        self.cols = {name: np.full((size, depth), -1, dtype=np.int64) for name in _FIELDS}
+        self.data = np.full((size, depth, len(_FIELDS)), -1, dtype=np.int64)
 
     def write(self, cells: np.ndarray, **values) -> None:
-        slot = self.count[cells] % self.depth
-        for name in _FIELDS:
-            self.cols[name][cells, slot] = values[name]
+        rows = np.empty((len(cells), len(_FIELDS)), dtype=np.int64)
+        for i, name in enumerate(_FIELDS):  # small slices, then one scattered write
+            rows[:, i] = values[name]
+        self.data[cells, self.count[cells] % self.depth] = rows
         self.count[cells] += 1
 
     def entries(self, cell: int) -> list[dict]:
         n = int(self.count[cell])
         slots = [(n - k) % self.depth for k in range(min(n, self.depth), 0, -1)]  # oldest first
-        return [{name: int(self.cols[name][cell, s]) for name in _FIELDS} for s in slots]
+        return [dict(zip(_FIELDS, self.data[cell, s].tolist())) for s in slots]
 
 
 class CellHistory:
@@ -200,7 +201,5 @@ def _operation(event: ev.CellsChanged) -> str:
 
 
 def _first_seq(seq_bits: np.ndarray) -> np.ndarray:
-    """The lowest sequence id of each cell (its bitset rows); -1 for a cell without one."""
-    bits = np.unpackbits(seq_bits, axis=1, bitorder="little")
-    has = bits.any(axis=1)
-    return np.where(has, bits.argmax(axis=1), -1)
+    """The lowest sequence id of each placed cell (a placed cell holds at least one)."""
+    return np.unpackbits(seq_bits, axis=1, bitorder="little").argmax(axis=1)

@@ -2,11 +2,15 @@
 
 The mirror never looks at the engine. Every CellsChanged event carries the complete new metadata
 of the cells it touched and the stream head, so applying events in order reproduces the engine's
-cells and heads exactly. Tentative (dry-run) changes are applied too and undone by the
-SlotsRolledBack event that follows them, so the mirror also shows what a dry run tried.
+cells and heads exactly. A dry run's placements (tentative CellsAllocated) are skipped: the
+SlotsRolledBack that follows restates every cell they touched as it was, so skipping them changes no
+end state and saves a third of the work of a decode; the dry run's SWA purge, which llama.cpp does not
+undo, is applied like any change. Views mark tentative cells from the frames (engine/watch/frames.py).
+Each cell's sequences are kept as llama.cpp's 256-bit set, packed in 32 bytes.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 
@@ -16,13 +20,24 @@ from engine import events as ev
 from engine.kv.cells import MAX_SEQ
 from engine.watch.device_mirror import DeviceMirror
 
+SNAPSHOT_SKIPS = ("time",)  # fields of kept events that snapshot() leaves out (see there)
+
 
 @dataclass
 class StreamState:
     pos: np.ndarray
     shift: np.ndarray
-    seq: np.ndarray  # (MAX_SEQ, size) bool
+    seq_bits: np.ndarray  # (size, 32) uint8: each cell's sequence bitset, little-endian bit order
     head: int = 0
+
+    @property
+    def seq(self) -> np.ndarray:
+        """(MAX_SEQ, size) bool: which sequences each cell holds (unpacked on each call)."""
+        return ev.unpack_seq_bits(self.seq_bits)
+
+    def holds(self, seq_id: int) -> np.ndarray:
+        """(size,) bool: the cells that hold seq_id."""
+        return ((self.seq_bits[:, seq_id >> 3] >> (seq_id & 7)) & 1).astype(bool)
 
     def cells(self) -> list[tuple[int, frozenset[int], int]]:
         seq_lists = [[] for _ in range(len(self.pos))]
@@ -53,6 +68,8 @@ class CacheMirror:
         self.caches: dict[str, CacheState] = {}
         self.created: dict[str, ev.ContextCreated] = {}  # the facts of each cache, by cache name
         self.last_decode: ev.DecodeFinished | None = None
+        self.vocabulary: ev.Vocabulary | None = None  # each token's text, when the context sent it
+        self.sequences: dict[int, ev.SequenceAssigned] = {}  # what each sequence serves, as the runner said
         self.stale = False
         self.stats = MirrorStats()
         self.devices = DeviceMirror()  # device memory bars and the layer/device map
@@ -85,6 +102,10 @@ class CacheMirror:
                 self._apply_changes(event)
             elif isinstance(event, ev.DecodeFinished):
                 self.last_decode = event
+            elif isinstance(event, ev.Vocabulary):
+                self.vocabulary = event
+            elif isinstance(event, ev.SequenceAssigned):
+                self.sequences[event.seq_id] = event
             elif isinstance(event, (ev.ModelPlaced, ev.DeviceMemoryChanged, ev.DeviceMemoryState)):
                 self.devices.apply(event)
             elif isinstance(event, ev.EventsDropped):
@@ -95,18 +116,22 @@ class CacheMirror:
         self.created[event.cache] = event
         self.caches[event.cache] = CacheState(event.cache, event.kv_size, [
             StreamState(np.full(event.kv_size, -1, dtype=np.int64), np.zeros(event.kv_size, dtype=np.int64),
-                        np.zeros((MAX_SEQ, event.kv_size), dtype=bool)) for _ in range(event.n_stream)])
+                        np.zeros((event.kv_size, MAX_SEQ // 8), dtype=np.uint8)) for _ in range(event.n_stream)])
 
     def _apply_changes(self, event: ev.CellsChanged) -> None:
         cache = self.caches.get(event.cache)
         if cache is None:
             self.stale = True  # joined after the context was created: wait for a snapshot
             return
+        if event.tentative and isinstance(event, ev.CellsAllocated):
+            return  # undone by the SlotsRolledBack that follows (see the module docstring)
         for change in event.changes:
             st = cache.streams[change.stream]
-            st.pos[change.cells] = change.pos
-            st.shift[change.cells] = change.shift
-            st.seq[:, change.cells] = ev.unpack_seq_bits(change.seq_bits)
+            # a whole stream in order (a snapshot, a keyframe): slices copy twice as fast as an index array
+            cells = slice(None) if _every_cell(change.cells, cache.size) else change.cells
+            st.pos[cells] = change.pos
+            st.shift[cells] = change.shift
+            st.seq_bits[cells] = change.seq_bits
             st.head = change.head
         if isinstance(event, ev.MemorySnapshot):
             self.stale = False
@@ -121,3 +146,99 @@ class CacheMirror:
 
     def n_stream(self, cache: str = "kv") -> int:
         return len(self.caches[cache].streams)
+
+    # ---- the mirror's state, as events and as plain data -----------------------------------------
+    def state_events(self) -> list[ev.Event]:
+        """Events that give a fresh mirror this mirror's state (snapshot() equal): the device state, each
+        cache's ContextCreated as received, the Vocabulary, the last DecodeFinished, a MemorySnapshot per
+        cache and, for a stale mirror, an EventsDropped that marks it stale again (after the snapshots,
+        which clear the mark). Events made here carry the seq_no of the last event applied, as the bus
+        stamps a context's state. A recording's keyframes are these events: state added to the mirror
+        later must be added here too, or keyframes lose it."""
+        with self._lock:
+            received = [self.devices.placement, *self.created.values(), self.vocabulary, self.last_decode,
+                        *self.sequences.values()]
+            events = self.devices.state_events() + list(self.created.values())
+            events += [e for e in (self.vocabulary, self.last_decode) if e is not None]
+            events += list(self.sequences.values())
+            events += [self._snapshot_event(cache) for cache in self.caches.values()]
+            if self.stale:
+                events.append(ev.EventsDropped(self.stats.dropped, -1, -1))
+            for event in events:
+                if not any(event is r for r in received):
+                    object.__setattr__(event, "seq_no", self.stats.last_seq_no)
+            return events
+
+    @staticmethod
+    def _snapshot_event(cache: CacheState) -> ev.MemorySnapshot:
+        every_cell = np.arange(cache.size, dtype=np.int64)
+        return ev.MemorySnapshot(cache=cache.name, changes=tuple(
+            ev.StreamCells(s, every_cell, st.pos.copy(), st.shift.copy(), st.seq_bits.copy(), st.head)
+            for s, st in enumerate(cache.streams)))
+
+    def snapshot(self) -> dict:
+        """The state as plain data (dicts, lists, numbers, numpy arrays), for comparing two mirrors.
+        Statistics (events applied, per-kind counts) are not state and are left out, and so is the `time`
+        of the events kept (ContextCreated, ...): the bus stamps the state it hands a new subscriber with
+        the time of that subscription, so two watchers of one bus would differ there and nowhere else."""
+        with self._lock:
+            return {
+                "caches": {name: [{"pos": st.pos.copy(), "shift": st.shift.copy(), "seq_bits": st.seq_bits.copy(),
+                                   "head": st.head} for st in cache.streams] for name, cache in self.caches.items()},
+                "created": {name: record_data(e, skip=SNAPSHOT_SKIPS) for name, e in self.created.items()},
+                "vocabulary": record_data(self.vocabulary, skip=SNAPSHOT_SKIPS),
+                "last_decode": record_data(self.last_decode, skip=SNAPSHOT_SKIPS),
+                "sequences": {s: record_data(e, skip=SNAPSHOT_SKIPS) for s, e in self.sequences.items()},
+                "stale": self.stale,
+                "devices": record_data(self.devices.snapshot(), skip=SNAPSHOT_SKIPS),
+            }
+
+    def differences(self, other: CacheMirror) -> list[str]:
+        """Where this mirror's state differs from `other`'s (paths into snapshot()); empty when equal."""
+        return data_differences(self.snapshot(), other.snapshot())
+
+    def same_as(self, other: CacheMirror) -> bool:
+        return not self.differences(other)
+
+
+def _every_cell(cells: np.ndarray, size: int) -> bool:
+    return len(cells) == size > 0 and cells[0] == 0 and cells[-1] == size - 1 and bool(np.all(np.diff(cells) == 1))
+
+
+def record_data(record, skip: tuple[str, ...] = ()) -> object:
+    """An event or nested record as plain data: {"kind": class name, field: value, ...}, recursively,
+    without the fields named in `skip`; tuples become lists, so that a tuple and a list of equal items
+    compare equal."""
+    if dataclasses.is_dataclass(record) and not isinstance(record, type):
+        return {"kind": type(record).__name__, **{f.name: record_data(getattr(record, f.name), skip)
+                                                  for f in dataclasses.fields(record) if f.name not in skip}}
+    if isinstance(record, (tuple, list)):
+        return [record_data(v, skip) for v in record]
+    if isinstance(record, dict):
+        return {k: record_data(v, skip) for k, v in record.items()}
+    return record
+
+
+def data_differences(a, b, path: str = "") -> list[str]:
+    """Paths at which two plain-data trees differ; numpy arrays compare by dtype, shape and values."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = list(a) + [k for k in b if k not in a]
+        return [d for k in keys for d in (data_differences(a[k], b[k], f"{path}/{k}") if k in a and k in b
+                                          else [f"{path}/{k}: only in {'the first' if k in a else 'the second'}"])]
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return [f"{path}: {len(a)} items against {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in data_differences(x, y, f"{path}[{i}]")]
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        same = (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
+                and a.shape == b.shape and np.array_equal(a, b))
+        return [] if same else [f"{path}: {_short(a)} against {_short(b)}"]
+    # by value: a head may be a numpy integer live and a Python int after a recording's round trip
+    if a is None or b is None or isinstance(a, str) != isinstance(b, str) or a != b:
+        return [] if a is b else [f"{path}: {_short(a)} against {_short(b)}"]
+    return []
+
+
+def _short(value) -> str:
+    text = repr(value).replace("\n", " ")
+    return text if len(text) <= 60 else text[:57] + "..."

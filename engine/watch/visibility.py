@@ -141,7 +141,7 @@ def cache_visibility(mirror: CacheMirror, name: str, seq_id: int, next_pos: int)
     swa_type = SwaType(created.swa_type)
     stream = seq_to_stream(mirror, name, seq_id)
     st = mirror.caches[name].streams[stream]
-    codes = cell_codes(st.pos, st.seq[seq_id], next_pos, created.n_swa, swa_type)
+    codes = cell_codes(st.pos, st.holds(seq_id), next_pos, created.n_swa, swa_type)
     return CacheVisibility(name, layer_kind(swa_type), tuple(created.layer_ids), created.n_swa, swa_type, stream,
                            seq_id, next_pos, _read_only(codes), _read_only(st.pos.copy()))
 
@@ -183,7 +183,7 @@ def answering_cache(mirror: CacheMirror) -> str:
 
 
 def seq_pos_max(st: StreamState, seq_id: int) -> int:
-    held = st.pos[st.seq[seq_id]]
+    held = st.pos[st.holds(seq_id)]
     return int(held.max()) if held.size else -1
 
 

@@ -12,6 +12,8 @@ import collections
 from typing import Callable
 
 from engine import events as ev
+from engine.errors import KvscopeError
+from engine.watch.frames import Frame, FrameSource
 from engine.watch.history import CellHistory
 from engine.watch.mirror import CacheMirror
 
@@ -28,6 +30,7 @@ class Watcher:
         self.subscription = subscription
         self.current_state = current_state
         self.mirror = CacheMirror()
+        self.frames = FrameSource()
         self.history = CellHistory(history_depth)
         self.recent: collections.deque[ev.Event] = collections.deque(maxlen=recent)  # for the event log
         self.status: ev.SessionStatus | None = None
@@ -72,6 +75,7 @@ class Watcher:
     def apply(self, event: ev.Event) -> None:
         self.events += 1
         self.mirror.apply(event)
+        self.frames.apply(event)
         self.history.apply(event)
         self.recent.append(event)
         if isinstance(event, ev.SessionStatus):
@@ -81,17 +85,27 @@ class Watcher:
         elif isinstance(event, ev.CommandDone) and not event.ok:
             self.last_error = event
 
+    def frame(self) -> Frame:
+        """Every cache stream as a view draws it, and the cells changed since the previous frame."""
+        return self.frames.frame()
+
     def _resync(self) -> None:
         if self.current_state is None:
             return  # stays stale until a MemorySnapshot comes by itself
-        state = self.current_state()
-        mirror = CacheMirror()
+        try:
+            state = self.current_state()
+        except KvscopeError:
+            return  # the source is gone (a remote server died): stay stale, and try again at the next loss
+        mirror, frames = CacheMirror(), FrameSource()
         for event in state:
             mirror.apply(event)
-            if isinstance(event, ev.Vocabulary):  # the rest would reset the history of cells it still holds
+            frames.apply(event)
+            if isinstance(event, (ev.Vocabulary, ev.SequenceAssigned)):  # the rest would reset the history
                 self.history.apply(event)
+            if isinstance(event, ev.SessionStatus):
+                self.status = event
         mirror.stats.dropped = self.dropped
-        self.mirror = mirror
+        self.mirror, self.frames = mirror, frames
         if state:
             self._skip_until = max(e.seq_no for e in state)
         self.resyncs += 1

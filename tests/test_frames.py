@@ -1,0 +1,77 @@
+"""A frame is the engine's cache as a view draws it: positions, owner (one sequence, several, none),
+pending shifts, heads, and the cells touched since the previous frame."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import engine
+from engine.batch import Batch
+from engine.watch.frames import EMPTY, SHARED
+from engine.watch.watcher import Watcher
+from tests.model_factory import in_memory_model
+
+
+class _Source:
+    """A bus and a context, seen as a Watcher's source."""
+
+    def __init__(self, ctx: engine.Context) -> None:
+        self.ctx = ctx
+
+    def subscribe(self, maxsize: int):
+        return self.ctx.bus.subscribe(maxsize)
+
+    def current_state(self):
+        return self.ctx.bus.current_state()
+
+
+def expected_columns(cache, stream: int):
+    cells = cache.cells(stream)
+    pos = np.array([p for p, _, _ in cells])
+    owner = np.array([EMPTY if not s else (min(s) if len(s) == 1 else SHARED) for _, s, _ in cells])
+    return pos, owner, np.array([len(s) for _, s, _ in cells]), np.array([sh for _, _, sh in cells])
+
+
+def assert_frame_is_the_engine(watcher: Watcher, ctx: engine.Context):
+    watcher.poll()
+    frame = watcher.frame()
+    for cache in ctx.memory.caches():
+        for s in range(cache.n_stream):
+            f = frame.stream(cache.name, s)
+            pos, owner, n_seqs, shift = expected_columns(cache, s)
+            assert np.array_equal(f.pos, pos) and np.array_equal(f.owner, owner)
+            assert np.array_equal(f.n_seqs, n_seqs) and np.array_equal(f.shift, shift)
+            assert f.head == cache.head(s) and f.used == cache.used(s)
+    return frame
+
+
+@pytest.mark.parametrize("unified", [True, False])
+def test_frames_follow_decodes_copies_and_shifts(unified):
+    ctx = engine.Context(in_memory_model(), n_ctx=32, pad=8, n_seq_max=3, kv_unified=unified)
+    watcher = Watcher.of(_Source(ctx))
+    watcher.poll()
+    assert not watcher.frame().stream("kv", 0).changed.any()  # the state a watcher starts from is no change
+    assert ctx.decode(Batch([5, 6, 7, 8, 9, 10], [0, 1, 2, 0, 1, 2], [[0], [0], [0], [2], [2], [2]])) == 0
+    frame = assert_frame_is_the_engine(watcher, ctx)
+    assert frame.stream("kv", 0).changed.sum() == (6 if unified else 3)
+    assert np.array_equal(frame.stream("kv", 0).tentative, frame.stream("kv", 0).changed)  # the dry run placed them first
+    assert not assert_frame_is_the_engine(watcher, ctx).stream("kv", 0).changed.any()  # reset by the last frame
+    ctx.memory.seq_cp(0, 1, -1, -1)
+    ctx.memory.seq_add(2, 1, -1, 5)
+    frame = assert_frame_is_the_engine(watcher, ctx)
+    if unified:
+        shared = frame.stream("kv", 0).owner == SHARED
+        assert shared.sum() == 3 and frame.stream("kv", 0).changed[shared].all()
+    ctx.memory.seq_rm(0, -1, -1)
+    assert_frame_is_the_engine(watcher, ctx)
+
+
+def test_a_frame_copies_the_columns():
+    ctx = engine.Context(in_memory_model(), n_ctx=16, pad=8)
+    watcher = Watcher.of(_Source(ctx))
+    assert ctx.decode(Batch([5, 6], [0, 1], [[0], [0]])) == 0
+    watcher.poll()
+    first = watcher.frame()
+    ctx.memory.seq_rm(0, -1, -1)
+    watcher.poll()
+    assert first.stream("kv").used == 2 and watcher.frame().stream("kv").used == 0
