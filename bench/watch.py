@@ -7,8 +7,9 @@ decode, and how long a view's frame of a large cache takes.
   4 sequences), recorded once, then applied to fresh watchers (cache mirror + frames + cell history),
   and to a bare CacheMirror for comparison.
 - session overhead: tokens/s of the demo model generating 4 sequences together, run by a plain
-  GenerationRun on the calling thread vs by a threaded Session with a Watcher polled 20 times a second
-  from another thread (a UI's redraw rate); interleaved, medians of per-pair ratios.
+  GenerationRun on the main thread vs by a threaded Session (which loads the model on its worker) with
+  a Watcher polled 20 times a second from the main thread (a UI's redraw rate). Each run is a process
+  of its own, as a front-end is: interleaved, medians of per-pair ratios.
 - frame: Watcher.frame() of a 32768-cell cache whose cells all hold sequences.
 Other jobs share the machine: compare ratios measured in one run.
 """
@@ -16,7 +17,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import threading
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -69,7 +71,8 @@ def events_per_second(events: list[ev.Event], reps: int) -> tuple[float, float]:
     return len(events) / statistics.median(watcher_s), len(events) / statistics.median(mirror_s)
 
 
-def plain_tokens_per_second(model, n_new: int) -> float:
+def plain_tokens_per_second(n_new: int) -> float:
+    model = engine.load_model("demo")
     ctx = engine.Context(model, n_ctx=512, n_seq_max=4, kv_unified=True)
     run = Generator(ctx, GREEDY).run()
     for s, prompt in enumerate(PROMPTS):
@@ -81,34 +84,31 @@ def plain_tokens_per_second(model, n_new: int) -> float:
     return n * len(PROMPTS) / (time.perf_counter() - t0)
 
 
-def session_tokens_per_second(model, n_new: int) -> float:
+def session_tokens_per_second(n_new: int) -> float:
     spec = WorkloadSpec("generate", n_predict=n_new, sampler=GREEDY)
-    with Session(model, settings=dict(n_ctx=512, n_seq_max=4, kv_unified=True), workload=spec) as session:
+    with Session("demo", settings=dict(n_ctx=512, n_seq_max=4, kv_unified=True), workload=spec) as session:
         watcher = Watcher.of(session)
         steps = session.subscribe(kinds=(ev.WorkloadStep,))
         for prompt in PROMPTS:
             session.add_prompt(prompt).result()
         session.step(1).result()  # the prefill
         steps.drain()
-        done = threading.Event()
-
-        def redraw() -> None:  # a UI: poll and take a frame 20 times a second
-            while not done.is_set():
-                watcher.poll()
-                watcher.frame()
-                time.sleep(0.05)
-
-        ui = threading.Thread(target=redraw)
-        ui.start()
-        t0 = time.perf_counter()
         session.start().result()
-        while session.status().state == "running":
-            time.sleep(0.002)
-        elapsed = time.perf_counter() - t0
-        done.set()
-        ui.join()
-        n = sum(1 for e in steps.drain() if e.phase == "batch")
-        return n * len(PROMPTS) / elapsed
+        while session.status().state == "running":  # the UI: poll and take a frame 20 times a second
+            watcher.poll()
+            watcher.frame()
+            time.sleep(0.05)
+        decoded = [e for e in steps.drain() if e.phase == "batch"]
+        # timed by the steps' own events: the UI's 50 ms naps would otherwise count after the last step
+        elapsed = decoded[-1].time - decoded[0].time + decoded[0].ms / 1e3
+        return len(decoded) * len(PROMPTS) / elapsed
+
+
+def run_variant(variant: str, n_new: int) -> float:
+    """tokens/s of one run in a process of its own."""
+    out = subprocess.run([sys.executable, __file__, "--variant", variant, "--new", str(n_new)], capture_output=True,
+                         text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
 
 
 def frame_ms(reps: int, size: int = 32768) -> float:
@@ -137,7 +137,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=1000, help="decodes whose events are absorbed")
     parser.add_argument("--new", type=int, default=48, help="tokens per sequence in the overhead runs")
+    parser.add_argument("--variant", choices=["plain", "session"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.variant:  # one overhead run, in a process of its own
+        run = plain_tokens_per_second if args.variant == "plain" else session_tokens_per_second
+        print(run(args.new))
+        return
 
     model = engine.load_model("demo")
     events = four_stream_events(model, args.steps)
@@ -147,7 +152,7 @@ def main() -> None:
 
     ratios, plain, session = [], [], []
     for _ in range(args.reps):
-        p, s = plain_tokens_per_second(model, args.new), session_tokens_per_second(model, args.new)
+        p, s = run_variant("plain", args.new), run_variant("session", args.new)
         plain.append(p)
         session.append(s)
         ratios.append(s / p)

@@ -139,7 +139,9 @@ def test_a_remote_watcher_equals_the_engine_after_commands(shared):
         assert done[-6:] == ["add_prompt", "step", "seq_cp", "seq_rm", "context_shift", "step"]
         status = remote.status()
         assert status.state == "paused" and status.workload == "generate" and status.model == "kvscope-demo-gemma3"
-        assert status.step == max(e.step for e in watcher.recent if isinstance(e, ev.WorkloadStep))
+        # the status comes with a command's reply, the WorkloadStep event on the event socket: wait for it
+        wait_until(lambda: watcher.poll() >= 0 and status.step == max(
+            e.step for e in watcher.recent if isinstance(e, ev.WorkloadStep)), what="the last step's event")
 
 
 def test_a_late_watcher_gets_the_state_first(shared):

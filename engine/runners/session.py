@@ -63,11 +63,8 @@ class Session:
                  workload: str | WorkloadSpec = "idle", threaded: bool = True, steps_per_second: float = 0.0,
                  bus: ev.EventBus | None = None, dtype: str = "f32") -> None:
         self.bus = bus if bus is not None else ev.EventBus()
-        self._model = model if isinstance(model, Model) else load_model(model, dtype=dtype)
         self._settings = {**DEFAULT_SETTINGS, **(settings or {})}
         self._spec = workload if isinstance(workload, WorkloadSpec) else WorkloadSpec(kind=workload)
-        self.ctx: Context = self._new_context(self._settings, self._spec)
-        self._workload = make_workload(self._spec, self.ctx)
         self._state, self._step, self._speed = "paused", 0, self._checked_speed(steps_per_second)
         self._idle_since_command = False
         self._step_requests: list[tuple[int, list[StepOutcome], Future]] = []
@@ -78,13 +75,27 @@ class Session:
         # what each sequence serves, for the state a new watcher starts from (the runners publish it once)
         self._assignments = self.bus.subscribe(kinds=(ev.SequenceAssigned,), with_state=False)
         self._assigned: dict[int, ev.SequenceAssigned] = {}
-        self.bus.add_state_source(self._state_events)
         self.threaded = threaded
         self._thread: threading.Thread | None = None
         if threaded:
+            # Every torch call of the session happens on its worker, the model's load included: a process
+            # whose main thread also ran torch ops decodes from a second thread up to a third slower (two
+            # OpenMP teams on two cores), which this avoids whenever the session loads the model itself.
             self._thread = threading.Thread(target=self._loop, name="kvscope-session", daemon=True)
             self._thread.start()
+        opened = self._submit("open", lambda: self._open(model, dtype), quiet=True)
+        try:
+            opened.result()
+        except BaseException:
+            self.close()
+            raise
+        self.bus.add_state_source(self._state_events)
         self._publish_status()
+
+    def _open(self, model: str | Path | Model, dtype: str) -> None:
+        self._model = model if isinstance(model, Model) else load_model(model, dtype=dtype)
+        self.ctx = self._new_context(self._settings, self._spec)
+        self._workload = make_workload(self._spec, self.ctx)
 
     # ---- what a front-end reads ---------------------------------------------------------------
     @property
@@ -233,8 +244,9 @@ class Session:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=60)
-        self._set_state("closed")
-        self._release_context()
+        if hasattr(self, "ctx"):  # a session whose opening failed has none
+            self._set_state("closed")
+            self._release_context()
 
     def __enter__(self) -> Session:
         return self

@@ -18,7 +18,7 @@ import numpy as np
 from engine import events as ev
 
 ALLOCATED, SEQ_REMOVED, FREED, SHARED, SHIFTED, DIVIDED, KEYS_ROTATED, RESTORED = range(1, 9)
-_FIELDS = ("kind", "seq_no", "step", "in_decode", "seq", "token", "pos", "amount", "why")
+_FIELDS = ("kind", "step", "in_decode", "seq", "token", "pos", "amount", "why")  # int32 columns; seq_no apart
 
 
 @dataclass(frozen=True)
@@ -36,25 +36,103 @@ class HistoryEntry:
     why: str  # the cause, else the operation (seq_rm, purge, failure_cleanup, ...)
 
 
-class _StreamColumns:
-    """The ring of entries of every cell of one stream: one int64 row per entry, a field per column."""
+class _CacheColumns:
+    """The ring of entries of every cell of every stream of one cache. A cell of stream s is row
+    s * size + cell. Events are queued as they come (a few list appends each) and written in one
+    vectorised step when someone reads, or when enough have queued: the watch layer absorbs events at
+    the engine's pace, and history is read only when a person moves a cursor."""
 
-    def __init__(self, size: int, depth: int) -> None:
-        self.depth = depth
-        self.count = np.zeros(size, dtype=np.int64)  # entries ever written per cell
-        self.data = np.full((size, depth, len(_FIELDS)), -1, dtype=np.int64)
+    FLUSH_AT = 4096  # queued changes that trigger a write, bounding the queue's memory
 
-    def write(self, cells: np.ndarray, **values) -> None:
-        rows = np.empty((len(cells), len(_FIELDS)), dtype=np.int64)
-        for i, name in enumerate(_FIELDS):  # small slices, then one scattered write
-            rows[:, i] = values[name]
-        self.data[cells, self.count[cells] % self.depth] = rows
-        self.count[cells] += 1
+    def __init__(self, n_stream: int, size: int, depth: int) -> None:
+        self.size, self.depth = size, depth
+        self.count = np.zeros(n_stream * size, dtype=np.int64)  # entries ever written per cell
+        self.data = np.full((n_stream * size, depth, len(_FIELDS)), -1, dtype=np.int32)
+        self.seq_no = np.full((n_stream * size, depth), -1, dtype=np.int64)
+        self._queued: list[tuple] = []  # (event, kind, step, in_decode, why)
 
-    def entries(self, cell: int) -> list[dict]:
-        n = int(self.count[cell])
+    def queue(self, entry: tuple) -> None:
+        self._queued.append(entry)
+        if len(self._queued) >= self.FLUSH_AT:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._queued:
+            return
+        queued, self._queued = self._queued, []
+        rows, seq_no, values = _entry_rows(queued, self.size)
+        if not len(rows):
+            return  # events whose changes name no cell (a K-shift's unshifted streams)
+        # the last `depth` entries of each cell in this batch, each in the slot after the previous one
+        order = np.argsort(rows, kind="stable")
+        rows, seq_no, values = rows[order], seq_no[order], values[order]
+        starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]])
+        lengths = np.diff(np.r_[starts, len(rows)])
+        rank = np.arange(len(rows)) - np.repeat(starts, lengths)
+        keep = rank >= np.repeat(lengths, lengths) - self.depth
+        slot = (self.count[rows] + rank) % self.depth
+        self.data[rows[keep], slot[keep]] = values[keep]
+        self.seq_no[rows[keep], slot[keep]] = seq_no[keep]
+        self.count[rows[starts]] += lengths
+
+    def entries(self, stream: int, cell: int) -> list[dict]:
+        self.flush()
+        row = stream * self.size + cell
+        n = int(self.count[row])
         slots = [(n - k) % self.depth for k in range(min(n, self.depth), 0, -1)]  # oldest first
-        return [dict(zip(_FIELDS, self.data[cell, s].tolist())) for s in slots]
+        return [{"seq_no": int(self.seq_no[row, s]), **dict(zip(_FIELDS, self.data[row, s].tolist()))} for s in slots]
+
+
+def _entry_rows(queued: list[tuple], size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows, event numbers and field values of queued events, one row per touched cell, in order."""
+    cells, streams, lengths, pos, tokens, bits, alloc_rows = [], [], [], [], [], [], []
+    scalars = []  # per event: kind, step, in_decode, seq, amount, why, seq_no
+    n_rows = 0
+    for event, kind, step, in_decode, why in queued:
+        n_event = 0
+        for k, change in enumerate(event.changes):
+            n = len(change.cells)
+            cells.append(change.cells)
+            streams.append(np.full(n, change.stream * size, dtype=np.int64))
+            pos.append(change.pos)
+            n_event += n
+            if kind == ALLOCATED:
+                bits.append(change.seq_bits)
+                tokens.append(event.tokens[k] if len(event.tokens) == len(event.changes) else np.full(n, -1))
+                alloc_rows.append(np.arange(n_rows, n_rows + n))
+            n_rows += n
+        seq, amount = _seq_and_amount(event)
+        scalars.append((kind, step, in_decode, seq, amount, why, event.seq_no))
+        lengths.append(n_event)
+    rows = np.concatenate(cells).astype(np.int64) + np.concatenate(streams)
+    per_event = np.array(scalars, dtype=np.int64)
+    expanded = np.repeat(per_event, lengths, axis=0)
+    values = np.empty((n_rows, len(_FIELDS)), dtype=np.int32)
+    values[:, 0], values[:, 1], values[:, 2] = expanded[:, 0], expanded[:, 1], expanded[:, 2]
+    values[:, 3], values[:, 4], values[:, 6], values[:, 7] = expanded[:, 3], -1, expanded[:, 4], expanded[:, 5]
+    values[:, 5] = np.concatenate(pos)
+    removed = values[:, 0] == SEQ_REMOVED
+    values[removed & (values[:, 5] < 0), 0] = FREED
+    amounts = [e for e in queued if isinstance(e[0], ev.KShiftApplied)]
+    if amounts:  # the K-shift's amount differs per cell
+        values[values[:, 0] == KEYS_ROTATED, 6] = np.concatenate(
+            [a for e, *_ in amounts for a in (e.amounts if len(e.amounts) == len(e.changes)
+                                              else [np.zeros(len(c.cells)) for c in e.changes])])
+    if alloc_rows:
+        at = np.concatenate(alloc_rows)
+        values[at, 3] = _first_seq(np.concatenate(bits))
+        values[at, 4] = np.concatenate(tokens)
+    return rows, expanded[:, 6], values
+
+
+def _seq_and_amount(event: ev.CellsChanged) -> tuple[int, int]:
+    if isinstance(event, ev.CellsRemoved):
+        return event.seq_id, 0
+    if isinstance(event, ev.CellsCopied):
+        return event.dst_seq, 0
+    if isinstance(event, ev.CellsShifted):
+        return event.seq_id, event.amount
+    return -1, 0
 
 
 class CellHistory:
@@ -66,8 +144,7 @@ class CellHistory:
         self.in_decode = False  # between a DecodeStarted and its DecodeFinished
         self.pieces: tuple[str, ...] = ()  # token text by id (Vocabulary)
         self.requests: dict[int, str] = {}  # seq id -> what it serves (SequenceAssigned)
-        self._streams: dict[tuple[str, int], _StreamColumns] = {}
-        self._sizes: dict[str, int] = {}
+        self._caches: dict[str, _CacheColumns] = {}
         self._why: list[str] = []  # interned cause texts: columns hold indices
         self._why_index: dict[str, int] = {}
 
@@ -80,9 +157,7 @@ class CellHistory:
         elif isinstance(event, ev.DecodeFinished):
             self.in_decode = False
         elif isinstance(event, ev.ContextCreated):
-            self._sizes[event.cache] = event.kv_size
-            for key in [k for k in self._streams if k[0] == event.cache]:
-                del self._streams[key]  # a new context: its cells have no past
+            self._caches[event.cache] = _CacheColumns(event.n_stream, event.kv_size, self.depth)  # no past yet
         elif isinstance(event, ev.Vocabulary):
             self.pieces = event.pieces
         elif isinstance(event, ev.SequenceAssigned):
@@ -90,38 +165,10 @@ class CellHistory:
 
     def _apply_cells(self, event: ev.CellsChanged) -> None:
         kind = _kind_of(event)
-        if kind is None:
-            return
-        why = self._intern(event.cause or _operation(event))
-        for k, change in enumerate(event.changes):
-            columns = self._columns(event.cache, change.stream)
-            if columns is None:
-                continue
-            cells = change.cells
-            values = dict(kind=kind, seq_no=event.seq_no, step=self.step, in_decode=int(self.in_decode), seq=-1,
-                          token=-1, pos=change.pos, amount=0, why=why)
-            if isinstance(event, ev.CellsAllocated):
-                values["seq"] = _first_seq(change.seq_bits)
-                values["token"] = event.tokens[k] if k < len(event.tokens) else -1
-            elif isinstance(event, ev.CellsRemoved):
-                values["kind"] = np.where(change.pos < 0, FREED, SEQ_REMOVED)
-                values["seq"] = event.seq_id
-            elif isinstance(event, ev.CellsCopied):
-                values["seq"] = event.dst_seq
-            elif isinstance(event, ev.CellsShifted):
-                values["seq"], values["amount"] = event.seq_id, event.amount
-            elif isinstance(event, ev.KShiftApplied):
-                values["amount"] = event.amounts[k] if k < len(event.amounts) else 0
-            columns.write(cells, **values)
-
-    def _columns(self, cache: str, stream: int) -> _StreamColumns | None:
-        key = (cache, stream)
-        if key not in self._streams:
-            size = self._sizes.get(cache)
-            if size is None:
-                return None  # joined before the cache's ContextCreated: nothing to attach cells to
-            self._streams[key] = _StreamColumns(size, self.depth)
-        return self._streams[key]
+        columns = self._caches.get(event.cache)
+        if kind is None or columns is None or not event.changes:
+            return  # not history, or joined before the cache's ContextCreated: no cells to attach it to
+        columns.queue((event, kind, self.step, int(self.in_decode), self._intern(event.cause or _operation(event))))
 
     def _intern(self, text: str) -> int:
         if text not in self._why_index:
@@ -132,11 +179,11 @@ class CellHistory:
     # ---- reading ------------------------------------------------------------------------------
     def entries(self, cache: str, stream: int, cell: int) -> list[HistoryEntry]:
         """The cell's remembered events, oldest first."""
-        columns = self._streams.get((cache, stream))
+        columns = self._caches.get(cache)
         if columns is None:
             return []
         return [HistoryEntry(**{**e, "why": self._why[e["why"]] if e["why"] >= 0 else ""})
-                for e in columns.entries(cell)]
+                for e in columns.entries(stream, cell)]
 
     def explain(self, cache: str, stream: int, cell: int) -> str:
         """One line: what happened to the cell, oldest remembered event first."""
@@ -203,3 +250,4 @@ def _operation(event: ev.CellsChanged) -> str:
 def _first_seq(seq_bits: np.ndarray) -> np.ndarray:
     """The lowest sequence id of each placed cell (a placed cell holds at least one)."""
     return np.unpackbits(seq_bits, axis=1, bitorder="little").argmax(axis=1)
+

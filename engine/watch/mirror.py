@@ -93,24 +93,39 @@ class CacheMirror:
 
     def apply(self, event: ev.Event) -> None:
         with self._lock:
-            self.stats.events += 1
-            self.stats.last_seq_no = event.seq_no
-            self.stats.kinds[event.kind] = self.stats.kinds.get(event.kind, 0) + 1
-            if isinstance(event, ev.ContextCreated):
-                self._create(event)
-            elif isinstance(event, ev.CellsChanged):
-                self._apply_changes(event)
-            elif isinstance(event, ev.DecodeFinished):
-                self.last_decode = event
-            elif isinstance(event, ev.Vocabulary):
-                self.vocabulary = event
-            elif isinstance(event, ev.SequenceAssigned):
-                self.sequences[event.seq_id] = event
-            elif isinstance(event, (ev.ModelPlaced, ev.DeviceMemoryChanged, ev.DeviceMemoryState)):
-                self.devices.apply(event)
-            elif isinstance(event, ev.EventsDropped):
-                self.stats.dropped += event.count
-                self.stale = True
+            self._apply(event)
+
+    def apply_all(self, events: list[ev.Event]) -> None:
+        """apply() for many events, under one lock."""
+        with self._lock:
+            for event in events:
+                self._apply(event)
+
+    def _apply(self, event: ev.Event) -> None:
+        stats = self.stats
+        stats.events += 1
+        stats.last_seq_no = event.seq_no
+        kind = type(event).__name__
+        stats.kinds[kind] = stats.kinds.get(kind, 0) + 1
+        if isinstance(event, ev.CellsChanged):  # the most frequent first
+            self._apply_changes(event)
+        else:
+            self._apply_other(event)
+
+    def _apply_other(self, event: ev.Event) -> None:
+        if isinstance(event, ev.ContextCreated):
+            self._create(event)
+        elif isinstance(event, ev.DecodeFinished):
+            self.last_decode = event
+        elif isinstance(event, ev.Vocabulary):
+            self.vocabulary = event
+        elif isinstance(event, ev.SequenceAssigned):
+            self.sequences[event.seq_id] = event
+        elif isinstance(event, (ev.ModelPlaced, ev.DeviceMemoryChanged, ev.DeviceMemoryState)):
+            self.devices.apply(event)
+        elif isinstance(event, ev.EventsDropped):
+            self.stats.dropped += event.count
+            self.stale = True
 
     def _create(self, event: ev.ContextCreated) -> None:
         self.created[event.cache] = event

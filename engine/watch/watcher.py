@@ -18,6 +18,7 @@ from engine.watch.history import CellHistory
 from engine.watch.mirror import CacheMirror
 
 StateSource = Callable[[], list[ev.Event]]
+_STATUS_KINDS = (ev.SessionStatus, ev.WorkloadStep, ev.CommandDone)
 
 
 class Watcher:
@@ -30,7 +31,7 @@ class Watcher:
         self.subscription = subscription
         self.current_state = current_state
         self.mirror = CacheMirror()
-        self.frames = FrameSource()
+        self.frames = FrameSource(self.mirror)
         self.history = CellHistory(history_depth)
         self.recent: collections.deque[ev.Event] = collections.deque(maxlen=recent)  # for the event log
         self.status: ev.SessionStatus | None = None
@@ -52,17 +53,17 @@ class Watcher:
 
     def poll(self) -> int:
         """Apply every event that arrived; returns how many were applied."""
-        applied = 0
+        applied, batch = 0, []
         for event in self.subscription.drain():
             if isinstance(event, ev.EventsDropped):
+                applied += self.apply_all(batch)
+                batch = []
                 if self._skip_until is None or event.last_seq_no > self._skip_until:
                     self.mirror.apply(event)  # marks the mirror stale
                     self._resync()
-                continue
-            if self._skip_until is not None and event.seq_no <= self._skip_until:
-                continue
-            self.apply(event)
-            applied += 1
+            elif self._skip_until is None or event.seq_no > self._skip_until:
+                batch.append(event)
+        applied += self.apply_all(batch)
         # A full queue tells its watcher only with the next event that fits, so after draining it ask
         # the queue itself whether it dropped anything since: the view is then right at once.
         dropped = getattr(self.subscription, "dropped", 0)
@@ -73,16 +74,35 @@ class Watcher:
         return applied
 
     def apply(self, event: ev.Event) -> None:
-        self.events += 1
-        self.mirror.apply(event)
-        self.frames.apply(event)
-        self.history.apply(event)
-        self.recent.append(event)
+        self.apply_all([event])
+
+    def apply_all(self, events: list[ev.Event]) -> int:
+        """Apply events in order (the mirror takes them under one lock); returns how many."""
+        start = 0
+        for i, event in enumerate(events):
+            if isinstance(event, ev.ContextCreated) and i > start:
+                self._apply_segment(events[start:i])  # cells of the cache as it was, before it is replaced
+                start = i
+        self._apply_segment(events[start:])
+        return len(events)
+
+    def _apply_segment(self, events: list[ev.Event]) -> None:
+        self.mirror.apply_all(events)
+        frames, history = self.frames, self.history
+        for event in events:
+            frames.apply(event)
+            history.apply(event)
+            if type(event) in _STATUS_KINDS:
+                self._note_status(event)
+        self.recent.extend(events)
+        self.events += len(events)
+
+    def _note_status(self, event: ev.Event) -> None:
         if isinstance(event, ev.SessionStatus):
             self.status = event
         elif isinstance(event, ev.WorkloadStep):
             self.last_step = event
-        elif isinstance(event, ev.CommandDone) and not event.ok:
+        elif not event.ok:
             self.last_error = event
 
     def frame(self) -> Frame:
@@ -96,7 +116,8 @@ class Watcher:
             state = self.current_state()
         except KvscopeError:
             return  # the source is gone (a remote server died): stay stale, and try again at the next loss
-        mirror, frames = CacheMirror(), FrameSource()
+        mirror = CacheMirror()
+        frames = FrameSource(mirror)
         for event in state:
             mirror.apply(event)
             frames.apply(event)

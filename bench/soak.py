@@ -1,0 +1,162 @@
+"""A long run of the live layer: does anything grow, get lost or go wrong over time?
+
+    python bench/soak.py [--minutes 30] [--port 5790] [--out /tmp/soak.kvtrace]
+
+One process runs a Session (the demo model, the parallel workload, new requests whenever the queue runs
+dry) served over ZeroMQ, and attaches four watchers:
+- a view: a Watcher polled 10 times a second, taking a frame each time;
+- a slow view: a Watcher with a 64-event queue polled every 2 s, so that it drops events and resyncs;
+- a remote view: a RemoteSession's Watcher, polled 5 times a second;
+- a Recorder writing every event to a file.
+Every minute it prints the resident memory (VmRSS) and the counts; every 5 minutes it pauses the session
+and checks each view against the engine's own cells. At the end the recording is replayed to its last
+event and compared with the view's mirror. It fails (exit 1) if memory after the first 3 minutes moves
+by more than 5%, if a view disagrees with the engine, if a dropped event was not followed by a resync, or
+if the recording does not replay. Not part of the test command: it takes as long as you give it.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import engine
+from engine.runners.serve import SessionServer
+from engine.runners.session import Session
+from engine.runners.workloads import WorkloadSpec
+from engine.sampling import SamplerParams
+from engine.watch import Recorder, RecordingReader, Watcher
+from engine.watch.remote import RemoteSession
+
+WARM_UP_S = 180
+QUESTIONS = ["Who was Moses?", "What did the LORD say?", "Tell of the flood.", "Who built the ark?"]
+
+
+def rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class Poller(threading.Thread):
+    """Polls a watcher every `interval` seconds (a view redrawing)."""
+
+    def __init__(self, watcher: Watcher, interval: float, frames: bool = False) -> None:
+        super().__init__(daemon=True)
+        self.watcher, self.interval, self.frames = watcher, interval, frames
+        self.stopped = threading.Event()
+        self.lock = threading.Lock()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval):
+            with self.lock:
+                self.watcher.poll()
+                if self.frames:
+                    self.watcher.frame()
+
+
+def disagreements(name: str, watcher: Watcher, engine_cells: dict) -> list[str]:
+    watcher.poll()
+    out = []
+    for cache, data in engine_cells.items():
+        for s, (cells, head) in enumerate(zip(data["cells"], data["heads"])):
+            if watcher.mirror.cells(s, cache) != cells or watcher.mirror.head(s, cache) != head:
+                out.append(f"{name}: {cache} stream {s} differs from the engine")
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--port", type=int, default=5790)
+    parser.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "soak.kvtrace"))
+    args = parser.parse_args()
+
+    settings = dict(n_ctx=2048, n_seq_max=5, kv_unified=True, swa_full=True)
+    spec = WorkloadSpec("parallel", n_clients=4, n_sequences=32, n_predict=48, arrival_gap=1,
+                        sampler=SamplerParams(temperature=0.8, seed=1))
+    model = engine.load_model("demo")
+    failures: list[str] = []
+    with Session(model, settings=settings, workload=spec) as session, \
+            SessionServer("127.0.0.1", args.port) as server:
+        server.start(session)
+        remote = RemoteSession(server.command_address)
+        views = {"view": Poller(Watcher.of(session), 0.1, frames=True),
+                 "slow view": Poller(Watcher(session.subscribe(64), session.current_state), 2.0),
+                 "remote view": Poller(Watcher.of(remote), 0.2)}
+        recorder = Recorder(args.out)
+        recorder.attach(session.bus)
+        recorder.start()
+        for poller in views.values():
+            poller.start()
+        session.start().result()
+        t0 = time.monotonic()
+        rss: list[tuple[float, float]] = []
+        next_check = 300.0
+        while (elapsed := time.monotonic() - t0) < args.minutes * 60:
+            time.sleep(1.0)
+            if session.status().state in ("idle", "finished"):
+                for i in range(16):
+                    session.add_prompt(QUESTIONS[i % len(QUESTIONS)], n_predict=48)
+            if int(elapsed) % 60 == 0:
+                rss.append((elapsed, rss_mib()))
+                w = views["slow view"].watcher
+                print(f"{elapsed / 60:5.1f} min  rss {rss[-1][1]:7.1f} MiB  step {session.status().step:7d}  "
+                      f"events {views['view'].watcher.events:9d}  slow view dropped {w.dropped} "
+                      f"resyncs {w.resyncs}  recorded {recorder.n_events}", flush=True)
+            if elapsed >= next_check:
+                next_check += 300.0
+                failures += check_views(session, views)
+        session.pause().result()
+        failures += check_views(session, views)
+        slow = views["slow view"].watcher
+        if slow.dropped and not slow.resyncs:
+            failures.append(f"the slow view dropped {slow.dropped} events and never resynced")
+        for poller in views.values():
+            poller.stopped.set()
+        recorder.close()
+        failures += check_recording(args.out, views["view"].watcher)
+        failures += check_memory(rss)
+        remote.close()
+    print("soak: OK" if not failures else "soak: FAILED\n  " + "\n  ".join(failures))
+    return 0 if not failures else 1
+
+
+def check_views(session: Session, views: dict[str, Poller]) -> list[str]:
+    session.pause().result()
+    cells = session.engine_cells().result()
+    time.sleep(1.0)  # the remote view's events are on their way
+    out = []
+    for name, poller in views.items():
+        with poller.lock:
+            out += disagreements(name, poller.watcher, cells)
+    session.start().result()
+    print(f"views checked against the engine: {'all equal' if not out else '; '.join(out)}", flush=True)
+    return out
+
+
+def check_recording(path: str, view: Watcher) -> list[str]:
+    with RecordingReader(path) as reader:
+        mirror = reader.seek(len(reader) - 1)
+        size = Path(path).stat().st_size
+        print(f"recording: {len(reader)} events, {len(reader.keyframes)} keyframes, {size / 2**20:.1f} MiB "
+              f"({size / len(reader) * 1000 / 1024:.1f} KiB per 1k events)")
+        differs = [c for c in view.mirror.caches if view.mirror.cells(0, c) != mirror.cells(0, c)]
+    return [f"the replayed recording differs from the view in {differs}"] if differs else []
+
+
+def check_memory(rss: list[tuple[float, float]]) -> list[str]:
+    after = [m for t, m in rss if t >= WARM_UP_S]
+    if len(after) < 2:
+        return []
+    low, high = min(after), max(after)
+    print(f"rss after warm-up: {low:.1f} .. {high:.1f} MiB ({100 * (high - low) / low:.1f}%)")
+    return [f"resident memory moved {100 * (high - low) / low:.1f}% after warm-up"] if high > low * 1.05 else []
+
+
+if __name__ == "__main__":
+    sys.exit(main())
