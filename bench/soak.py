@@ -96,13 +96,14 @@ def main() -> int:
         session.start().result()
         t0 = time.monotonic()
         rss: list[tuple[float, float]] = []
-        next_check = 300.0
+        next_check, next_sample = 300.0, 0.0
         while (elapsed := time.monotonic() - t0) < args.minutes * 60:
             time.sleep(1.0)
             if session.status().state in ("idle", "finished"):
                 for i in range(16):
                     session.add_prompt(QUESTIONS[i % len(QUESTIONS)], n_predict=48)
-            if int(elapsed) % 60 == 0:
+            if elapsed >= next_sample:
+                next_sample += 60.0
                 rss.append((elapsed, rss_mib()))
                 w = views["slow view"].watcher
                 print(f"{elapsed / 60:5.1f} min  rss {rss[-1][1]:7.1f} MiB  step {session.status().step:7d}  "

@@ -280,3 +280,47 @@ def test_rebuild_onto_virtual_devices_and_a_refused_one(llama):
             session.rebuild(devices=["VGPU1=1KiB"], n_gpu_layers=-1).result()
         assert [d.name for d in session.ctx.gpus] == ["VGPU0"]  # the old context stayed
         assert session.add_prompt("still works").result() == 0
+
+
+def test_every_command_from_another_thread_while_generation_decodes(demo, tmp_path):
+    settings = dict(n_ctx=256, pad=32, n_seq_max=4, kv_unified=True, swa_full=True)
+    spec = WorkloadSpec("generate", n_predict=-1, sampler=GREEDY, context_shift=True, n_keep=2)
+    with Session(demo, settings=settings, workload=spec) as session:
+        watcher = Watcher.of(session)
+        done: list[str] = []
+        errors: list[BaseException] = []
+
+        def drive() -> None:
+            try:
+                assert session.add_prompt("And God said unto Moses").result(30) == 0
+                session.start().result(30)
+                wait_for_step(session, 10)
+                assert session.add_prompt("In the beginning").result(30) == 1
+                wait_for_step(session, 16)
+                assert session.context_shift(0, n_keep=2, n_discard=4).result(30) == 4
+                assert session.save_state(tmp_path / "seq1.bin", seq_id=1).result(30) > 0
+                session.seq_cp(1, 2).result(30)
+                session.seq_rm(2, 3, -1).result(30)
+                session.seq_add(2, 0, -1, 2).result(30)
+                session.seq_div(2, 0, -1, 2).result(30)
+                session.seq_keep(2).result(30)  # the running sequences lose their cells: their decodes fail
+                session.load_state(tmp_path / "seq1.bin", seq_id=3).result(30)
+                session.set_speed(100).result(30)
+                wait_for_step(session, session.status().step + 3)
+                session.stop().result(30)
+                session.clear().result(30)
+                session.rebuild(n_ctx=512, type_k="f32").result(60)
+                done.append("all")
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        thread = threading.Thread(target=drive)
+        thread.start()
+        thread.join(180)
+        assert not thread.is_alive() and not errors, errors
+        assert done == ["all"] and session.status().state == "stopped"
+        assert session.ctx.n_ctx == 512 and session.ctx.params.type_k == "f32"
+        assert_watch_equals_engine(watcher, session)
+        ok = [e.command for e in watcher.recent if isinstance(e, ev.CommandDone) and e.ok]
+        assert ok == ["add_prompt", "start", "add_prompt", "context_shift", "save_state", "seq_cp", "seq_rm", "seq_add",
+                      "seq_div", "seq_keep", "load_state", "set_speed", "stop", "clear", "rebuild"]

@@ -280,7 +280,6 @@ class GenerationRun:
     def __init__(self, generator: Generator, on_text: TextCallback | None = None) -> None:
         self.gen = generator
         self.on_text = on_text
-        self.results: list[SequenceResult] = []
         self._new: list[_Running] = []
         self._active: list[_Running] = []
 
@@ -299,7 +298,6 @@ class GenerationRun:
         r = self.gen._start(prompt, seq_id)
         r.n_predict = n_predict
         self._new.append(r)
-        self.results.append(r.result)
         return r.result
 
     def shifted(self, seq_id: int, n_discard: int) -> None:

@@ -42,6 +42,7 @@ from engine.watch.protocol import (
     TOPIC_MARKER,
     RemoteAccessError,
     RemoteSessionError,
+    drain,
     error_fields,
     is_local,
     pack_value,
@@ -53,7 +54,6 @@ log = logging.getLogger("kvscope.serve")
 EVENTS_PER_MESSAGE = 256  # events batched into one PUB message: one message costs as much as ~10 small events
 BYTES_PER_MESSAGE = 1 << 20
 STREAM_QUEUE = 1 << 16  # events the encoder may fall behind before the stream drops some (and says so)
-BURST = 1000  # messages read from one socket before the I/O thread looks at the others
 SEQ_BYTES = 8
 
 # Session methods a client may call; each returns a Future at once.
@@ -196,10 +196,11 @@ class SessionServer:
                 sock.close(linger=0)
 
     def _drain_inbox(self) -> None:
-        _drain(self._inbox, self._on_inbox, copy=False)
+        drain(self._inbox, self._on_inbox, "kvscope serve", copy=False)
 
     def _drain_router(self) -> None:
-        _drain(self._router, lambda frames: self._on_request(frames[0], frames[-1] if len(frames) > 1 else b""))
+        drain(self._router, lambda frames: self._on_request(frames[0], frames[-1] if len(frames) > 1 else b""),
+              "kvscope serve")
 
     def _on_inbox(self, frames: list) -> None:
         what = frames[0].bytes
@@ -319,19 +320,6 @@ class SessionServer:
                 frames, size = [], 0
         if frames:
             self._post([b"pub", last.to_bytes(SEQ_BYTES, "little", signed=True), *frames])
-
-
-def _drain(sock: zmq.Socket, handle: Callable[[list], None], copy: bool = True) -> None:
-    """Handle what waits on a socket, BURST messages at most (then the other sockets get their turn)."""
-    for _ in range(BURST):
-        try:
-            frames = sock.recv_multipart(zmq.NOBLOCK, copy=copy)
-        except zmq.Again:
-            return
-        try:
-            handle(frames)
-        except Exception:  # noqa: BLE001 - one bad message must not end the thread that serves everyone
-            log.exception("kvscope serve: a message could not be handled; the server goes on")
 
 
 # ---- what commands run ------------------------------------------------------------------------------

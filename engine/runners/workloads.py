@@ -111,12 +111,11 @@ class GenerationWorkload:
         self.run = self.generator.run()
 
     def step(self) -> StepOutcome:
-        n_before = sum(len(r.tokens) for r in self.run.results)
+        n_before = self.generator.n_sample
         if not self.run.step():
             return IDLE
-        n_sampled = sum(len(r.tokens) for r in self.run.results) - n_before
-        return StepOutcome("batch", self.generator.last_n_tokens, n_sampled, self.generator.last_rc,
-                           self.active_seqs())
+        return StepOutcome("batch", self.generator.last_n_tokens, self.generator.n_sample - n_before,
+                           self.generator.last_rc, self.active_seqs())
 
     def add_prompt(self, text: str, n_predict: int | None = None) -> int:
         seq_id = free_seq_id(self.ctx, self.run.running_seq_ids())

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from pathlib import PurePath
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 import numpy as np
+import zmq
 
 from engine import errors
 from engine import events as ev
@@ -184,3 +186,22 @@ def rebuild_error(type_name: str, message: str) -> Exception:
 def is_local(bind: str) -> bool:
     """Whether an address is reachable from this machine only."""
     return bind in LOCAL_BINDS or bind.startswith("127.")
+
+
+# ---- sockets ------------------------------------------------------------------------------------------
+BURST = 1000  # messages read from one socket before an I/O thread looks at its others
+
+
+def drain(sock: zmq.Socket, handle: Callable[[list], None], who: str, *, copy: bool = True) -> None:
+    """Handle what waits on a socket, BURST messages at most (then the other sockets get their turn). A
+    message that cannot be handled is logged and skipped: one bad message must not end the thread that
+    serves everyone (`who` names that side in the log)."""
+    for _ in range(BURST):
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=copy)
+        except zmq.Again:
+            return
+        try:
+            handle(frames)
+        except Exception:  # noqa: BLE001 - see the docstring
+            logging.getLogger("kvscope.remote").exception("%s: a message could not be handled; skipped", who)

@@ -60,6 +60,7 @@ from engine.watch.protocol import (
     RemoteSessionError,
     Status,
     StepOutcome,
+    drain,
     pack_value,
     rebuild_error,
     unpack_value,
@@ -470,7 +471,7 @@ class _Link:
 
     def _turn(self, ready: dict) -> None:
         if self._wake_in in ready:
-            self._drain(self._wake_in, lambda _frames: None)
+            drain(self._wake_in, lambda _frames: None, "kvscope remote")
             while True:
                 try:
                     call = self._calls.get_nowait()
@@ -480,23 +481,11 @@ class _Link:
         if self._monitor in ready:
             self._on_monitor()
         if self._dealer in ready:
-            self._drain(self._dealer, self._on_reply)
+            drain(self._dealer, self._on_reply, "kvscope remote")
         self._flush()
         if self._sub in ready:
-            self._drain(self._sub, self._on_broadcast)
+            drain(self._sub, self._on_broadcast, "kvscope remote")
         self._check_clock(time.monotonic())
-
-    @staticmethod
-    def _drain(sock: zmq.Socket, handle: Callable[[list[bytes]], None]) -> None:
-        for _ in range(1000):  # then the other sockets get their turn
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                handle(frames)
-            except Exception:  # noqa: BLE001 - a message this side cannot read must not stop the others
-                log.exception("kvscope remote: a message from the server could not be handled; skipped")
 
     def _shut(self) -> None:
         error = RemoteSessionError(f"the RemoteSession of {self.address} was closed")
