@@ -98,9 +98,9 @@ def main() -> int:
         rss: list[tuple[float, float]] = []
         next_check, next_sample = 300.0, 0.0
         while (elapsed := time.monotonic() - t0) < args.minutes * 60:
-            time.sleep(1.0)
-            if session.status().state in ("idle", "finished"):
-                for i in range(16):
+            time.sleep(0.2)
+            if session.status().state in ("idle", "finished"):  # keep the clients busy
+                for i in range(32):
                     session.add_prompt(QUESTIONS[i % len(QUESTIONS)], n_predict=48)
             if elapsed >= next_sample:
                 next_sample += 60.0

@@ -324,3 +324,18 @@ def test_every_command_from_another_thread_while_generation_decodes(demo, tmp_pa
         ok = [e.command for e in watcher.recent if isinstance(e, ev.CommandDone) and e.ok]
         assert ok == ["add_prompt", "start", "add_prompt", "context_shift", "save_state", "seq_cp", "seq_rm", "seq_add",
                       "seq_div", "seq_keep", "load_state", "set_speed", "stop", "clear", "rebuild"]
+
+
+def test_a_running_session_that_ran_dry_resumes_when_given_work(llama):
+    spec = WorkloadSpec("generate", n_predict=3, sampler=GREEDY)
+    with Session(llama, settings=SMALL, workload=spec) as session:
+        session.start().result(10)
+        session.add_prompt("first").result(10)
+        deadline = time.monotonic() + 30
+        while session.status().state != "idle":
+            assert time.monotonic() < deadline, "the session never ran dry"
+            time.sleep(0.01)
+        steps = session.status().step
+        session.add_prompt("second").result(10)
+        wait_for_step(session, steps + 3, timeout=20)  # it resumed by itself: 1 prefill and 2 decodes
+        assert session.status().state in ("running", "idle")

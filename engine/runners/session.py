@@ -289,7 +289,10 @@ class Session:
         return max(0.0, self._last_step_start + 1.0 / self._speed - time.monotonic())
 
     def _wants_step(self) -> bool:
-        return bool(self._step_requests) or (self._state == "running" and not self._idle_since_command)
+        """A step is due: one was asked for, or the session runs ("idle": running with nothing to do, until
+        a command gives the workload something)."""
+        running = self._state in ("running", "idle")
+        return bool(self._step_requests) or (running and not self._idle_since_command)
 
     def _run_command(self, command: _Command) -> None:
         t0 = time.perf_counter()
@@ -318,9 +321,8 @@ class Session:
 
     def _do_one_step(self) -> StepOutcome:
         t0 = time.perf_counter()
-        try:
-            with self.bus.cause(f"{self._workload.name} workload"):
-                outcome = self._workload.step()
+        try:  # no cause here: the runners name their own (a finished request, a context shift)
+            outcome = self._workload.step()
         except Exception as e:  # noqa: BLE001 - a failing step pauses the session, never ends it
             log.exception("the %s workload failed", self._workload.name)
             self._set_state("paused", f"the {self._workload.name} workload failed: {type(e).__name__}: {e}")
