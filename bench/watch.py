@@ -19,7 +19,9 @@ import argparse
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -71,8 +73,8 @@ def events_per_second(events: list[ev.Event], reps: int) -> tuple[float, float]:
     return len(events) / statistics.median(watcher_s), len(events) / statistics.median(mirror_s)
 
 
-def plain_tokens_per_second(n_new: int) -> float:
-    model = engine.load_model("demo")
+def plain_tokens_per_second(model_path: str, n_new: int) -> float:
+    model = engine.load_model(model_path)
     ctx = engine.Context(model, n_ctx=512, n_seq_max=4, kv_unified=True)
     run = Generator(ctx, GREEDY).run()
     for s, prompt in enumerate(PROMPTS):
@@ -84,9 +86,9 @@ def plain_tokens_per_second(n_new: int) -> float:
     return n * len(PROMPTS) / (time.perf_counter() - t0)
 
 
-def session_tokens_per_second(n_new: int) -> float:
+def session_tokens_per_second(model_path: str, n_new: int) -> float:
     spec = WorkloadSpec("generate", n_predict=n_new, sampler=GREEDY)
-    with Session("demo", settings=dict(n_ctx=512, n_seq_max=4, kv_unified=True), workload=spec) as session:
+    with Session(model_path, settings=dict(n_ctx=512, n_seq_max=4, kv_unified=True), workload=spec) as session:
         watcher = Watcher.of(session)
         steps = session.subscribe(kinds=(ev.WorkloadStep,))
         for prompt in PROMPTS:
@@ -104,10 +106,10 @@ def session_tokens_per_second(n_new: int) -> float:
         return len(decoded) * len(PROMPTS) / elapsed
 
 
-def run_variant(variant: str, n_new: int) -> float:
+def run_variant(variant: str, model_path: str, n_new: int) -> float:
     """tokens/s of one run in a process of its own."""
-    out = subprocess.run([sys.executable, __file__, "--variant", variant, "--new", str(n_new)], capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run([sys.executable, __file__, "--variant", variant, "--model", model_path, "--new", str(n_new)],
+                         capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -137,11 +139,14 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=1000, help="decodes whose events are absorbed")
     parser.add_argument("--new", type=int, default=48, help="tokens per sequence in the overhead runs")
+    parser.add_argument("--model", default="demo",
+                        help="the model of the overhead runs: demo, or 100m (bench/decode.py's ~100M llama, written "
+                             "to a temporary folder), or a path")
     parser.add_argument("--variant", choices=["plain", "session"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.variant:  # one overhead run, in a process of its own
         run = plain_tokens_per_second if args.variant == "plain" else session_tokens_per_second
-        print(run(args.new))
+        print(run(args.model, args.new))
         return
 
     model = engine.load_model("demo")
@@ -150,14 +155,22 @@ def main() -> None:
     print(f"events absorbed: {per_s:,.0f} events/s by a Watcher (mirror + frames + history), "
           f"{mirror_per_s:,.0f} by a bare CacheMirror ({len(events)} events of {args.steps} 4-stream decodes)")
 
-    ratios, plain, session = [], [], []
-    for _ in range(args.reps):
-        p, s = run_variant("plain", args.new), run_variant("session", args.new)
-        plain.append(p)
-        session.append(s)
-        ratios.append(s / p)
-    print(f"session + watcher at 20 Hz: {statistics.median(session):.1f} tok/s vs plain {statistics.median(plain):.1f} "
-          f"tok/s: overhead {100 * (1 - statistics.median(ratios)):+.1f}% (median of {args.reps} paired runs)")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path = args.model
+        if model_path == "100m":
+            sys.path.insert(0, str(Path(__file__).parent))
+            from decode import write_model  # noqa: PLC0415 - the decode bench's model, only when asked for
+
+            model_path = str(write_model(Path(tmp)))
+        ratios, plain, session = [], [], []
+        for _ in range(args.reps):
+            p, s = run_variant("plain", model_path, args.new), run_variant("session", model_path, args.new)
+            plain.append(p)
+            session.append(s)
+            ratios.append(s / p)
+    print(f"session + watcher at 20 Hz ({args.model}): {statistics.median(session):.1f} tok/s vs plain "
+          f"{statistics.median(plain):.1f} tok/s: overhead {100 * (1 - statistics.median(ratios)):+.1f}% (median of "
+          f"{args.reps} paired runs)")
     print(f"frame of a 32768-cell cache: {frame_ms(args.reps):.3f} ms")
 
 

@@ -232,3 +232,19 @@ def test_parallel_runs_on_a_sliding_window_model(capsys):
     out = capsys.readouterr()
     assert rc == 0, out.err
     assert out.out.count("Client ") == 3
+
+
+def test_an_open_run_serves_submitted_requests_and_keeps_the_latest_results(model, monkeypatch):
+    from engine.runners import parallel
+
+    monkeypatch.setattr(parallel, "KEPT_RESULTS", 3)
+    runner = ParallelRunner(new_ctx(model), 3, GREEDY)
+    steps = runner.steps([Request(0, QUESTIONS[0], 4)], keep_open=True)
+    phases = [next(steps).phase for _ in range(12)]
+    assert phases[0] == "system" and phases[-1] == "idle"  # the schedule ran out: the run waits, open
+    submitted = [runner.submit(QUESTIONS[i % 4], 3) for i in range(5)]
+    assert [r.id for r in submitted] == [1, 2, 3, 4, 5]
+    for _ in range(40):
+        if next(steps).phase == "idle":
+            break
+    assert [r.request.id for r in runner.results] == [3, 4, 5] and all(r.ok for r in runner.results)

@@ -35,6 +35,7 @@ With no seed a random one is drawn per run (`ParallelRunner.seed`).
 """
 from __future__ import annotations
 
+import collections
 import logging
 import secrets
 import time
@@ -56,6 +57,7 @@ from engine.runners.parallel_workload import Request, format_prompt, make_schedu
 from engine.sampling import Sampler, SamplerParams
 
 log = logging.getLogger("kvscope.parallel")
+KEPT_RESULTS = 1000  # results an open run (keep_open) keeps, the latest ones
 
 DEFAULT_SYSTEM_PROMPT = (
     "A conversation between a curious User and a friendly Assistant. The Assistant answers every "
@@ -133,6 +135,7 @@ class ParallelRunner:
         self.n_sequences = 0
         self._started = False
         self._pending: list[Request] = []  # not arrived yet; submit() adds to it while the run goes on
+        self._next_request_id = 0
         self._keep_open = False
 
     # ---- public API -------------------------------------------------------------------------
@@ -155,6 +158,9 @@ class ParallelRunner:
         if len({r.id for r in pending}) != len(pending):
             raise KvscopeError("request ids must be distinct")
         self._pending, self._keep_open = pending, keep_open
+        self._next_request_id = max((r.id for r in pending), default=-1) + 1
+        if keep_open:  # an open run may serve requests for hours: keep the latest results, not all
+            self.results = collections.deque(self.results, maxlen=KEPT_RESULTS)
         self.n_sequences = len(pending)
         self.t_start = time.perf_counter()
         log.info("main: Simulating parallel requests from clients:")
@@ -174,8 +180,8 @@ class ParallelRunner:
             raise KvscopeError("submit() joins a running workload: start it with steps() first")
         if n_predict < 1:
             raise KvscopeError(f"n_predict must be >= 1, got {n_predict}")
-        ids = [r.id for r in self._pending] + [r.request.id for r in self.results]
-        req = Request(max(ids, default=-1) + 1, question, n_predict, arrival_step)
+        req = Request(self._next_request_id, question, n_predict, arrival_step)
+        self._next_request_id += 1
         self._pending.append(req)
         self._pending.sort(key=lambda r: (r.arrival_step, r.id))
         self.n_sequences += 1
@@ -200,6 +206,7 @@ class ParallelRunner:
         raise KvscopeError(f"seq {seq_id} is no client's sequence (clients use 1..{self.n_clients})")
 
     def summary(self) -> RunSummary:
+        """Totals of the run (of the KEPT_RESULTS latest requests in a keep_open run)."""
         done = [r for r in self.results if r.ok]
         t_end = self.t_end or time.perf_counter()
         return RunSummary(self.n_clients, self.n_sequences, len(self.system_tokens),
