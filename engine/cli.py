@@ -199,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = command("make-tiny-model", help="write a tiny random llama (HF folder and GGUF) for demos")
     tiny.add_argument("folder")
     _add_serve_flags(command("serve", help=SERVE_HELP))
+    _add_tui_flags(command("tui", help="the terminal explorer (what `kvscope` alone starts, on the demo model)"))
     record = command("record", help="run generate or parallel and record every event to a file "
                                     "(docs/recording-format.md)")
     record.add_argument("-o", "--output", required=True, metavar="FILE",
@@ -255,6 +256,29 @@ SERVE_HELP = "run a session (a model, a context, a workload) and serve it to Rem
 
 
 def _add_serve_flags(p: argparse.ArgumentParser) -> None:
+    _add_session_flags(p)
+    p.add_argument("--bind", default=DEFAULT_BIND,
+                   help="the interface to listen on: 127.0.0.1 is this machine only; 0.0.0.0 is every interface, and "
+                        "then commands need the token printed at start")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="the command port; events go out on the port after it")
+    p.add_argument("--token", default=None,
+                   help="the token every command must carry (default: none on 127.0.0.1; elsewhere a random one, "
+                        "printed at start)")
+
+
+def _add_tui_flags(p: argparse.ArgumentParser) -> None:
+    _add_session_flags(p)
+    p.add_argument("--attention", action="store_true",
+                   help="publish each sequence's attention over the cells after every decode (the a overlay)")
+    p.add_argument("--replay", default=None, metavar="FILE", help="show a recording (kvscope record) instead of a session")
+    p.add_argument("--connect", default=None, metavar="ADDRESS",
+                   help="drive a remote session (kvscope serve), e.g. tcp://gpu-box:5590")
+    p.add_argument("--token", default=None, help="with --connect: the token the server printed")
+    p.add_argument("--plain-steps", type=int, default=30, metavar="N",
+                   help="without a terminal (a pipe, CI): print N steps as text frames, then exit")
+
+
+def _add_session_flags(p: argparse.ArgumentParser) -> None:
     _add_context_flags(p, np_default=4, np_help=f"sequences of the context (idle, generate), or clients of the parallel "
                                                 f"workload (1 to {MAX_SEQ - 1}; it takes one sequence more)")
     _add_sampling_flags(p)
@@ -274,14 +298,7 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-pps", dest="pps", action="store_false", help="parallel: do not share the system prompt")
     p.add_argument("--speed", type=float, default=0.0, metavar="STEPS_PER_S",
                    help="steps per second while running (0: as fast as possible)")
-    p.add_argument("--start", action="store_true", help="run at once (else paused until a client sends start)")
-    p.add_argument("--bind", default=DEFAULT_BIND,
-                   help="the interface to listen on: 127.0.0.1 is this machine only; 0.0.0.0 is every interface, and "
-                        "then commands need the token printed at start")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="the command port; events go out on the port after it")
-    p.add_argument("--token", default=None,
-                   help="the token every command must carry (default: none on 127.0.0.1; elsewhere a random one, "
-                        "printed at start)")
+    p.add_argument("--start", action="store_true", help="run at once (else paused until start)")
 
 
 def _context_kwargs(args: argparse.Namespace) -> dict:
@@ -544,18 +561,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from engine.runners.serve import SessionServer, stop_on_signals, wait_until_stopped
     from engine.runners.session import Session
 
-    spec = _served_workload(args)
-    settings = _checked_context_kwargs(args, spec.n_seq_max_needed() if spec.kind == "parallel" else args.parallel)
-    _hint_kv_cache_debug(args.verbose)
+    settings, spec = session_settings(args)
     with SessionServer(args.bind, args.port, args.token) as server:  # binds now: a taken port fails before loading
         session = Session(args.model, settings=settings, workload=spec, steps_per_second=args.speed, dtype=args.dtype)
         with stop_on_signals() as stop:  # from here on a signal stops cleanly, closing included
             try:
                 server.start(session)
-                for prompt in args.prompt or []:
-                    session.add_prompt(prompt).result()
-                if args.start:
-                    session.start().result()
+                begin_session(session, args)
                 _print_serve_banner(server, session)
                 reason = wait_until_stopped(server, stop)
             finally:
@@ -564,6 +576,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"kvscope serve: stopped ({reason}) after {server.commands} commands ({server.refused} refused), "
           f"{server.events_sent} events sent", file=sys.stderr)
     return 0
+
+
+def session_settings(args: argparse.Namespace) -> tuple[dict, object]:
+    """The context settings and WorkloadSpec of the session flags (serve, tui), checked before any load."""
+    spec = _served_workload(args)
+    settings = _checked_context_kwargs(args, spec.n_seq_max_needed() if spec.kind == "parallel" else args.parallel)
+    if getattr(args, "attention", False):
+        settings["publish_attention"] = True
+    _hint_kv_cache_debug(args.verbose)
+    return settings, spec
+
+
+def begin_session(session, args: argparse.Namespace) -> None:
+    """The prompts the flags gave, and --start."""
+    for prompt in args.prompt or []:
+        session.add_prompt(prompt).result()
+    if args.start:
+        session.start().result()
 
 
 def _served_workload(args: argparse.Namespace):
@@ -613,6 +643,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command == "tui":  # the engine never imports its front-ends: the kvscope command starts it
+        raise KvscopeError("the terminal explorer starts from the kvscope command (kvscope.launcher), not engine.cli")
     commands = {"generate": cmd_generate, "parallel": cmd_parallel, "estimate": cmd_estimate,
                 "make-tiny-model": cmd_make_tiny_model, "record": cmd_record,
                 "serve": cmd_serve}

@@ -43,9 +43,11 @@ class WorkloadSpec:
     share_system_prompt: bool = True
     context_shift: bool = False
     n_keep: int = 0
-    sampler: SamplerParams = field(default_factory=SamplerParams)
+    sampler: SamplerParams = field(default_factory=SamplerParams)  # or a dict of its fields
 
     def __post_init__(self) -> None:
+        if isinstance(self.sampler, dict):  # a front-end names the sampler's settings without importing it
+            object.__setattr__(self, "sampler", SamplerParams(**self.sampler))
         if self.kind not in WORKLOAD_KINDS:
             raise KvscopeError(f"unknown workload {self.kind!r}; one of {', '.join(WORKLOAD_KINDS)}")
         if self.n_predict < 1 and self.n_predict != -1:

@@ -143,7 +143,7 @@ class CellHistory:
         self.step = -1  # the current decode step (DecodeStarted.step)
         self.in_decode = False  # between a DecodeStarted and its DecodeFinished
         self.pieces: tuple[str, ...] = ()  # token text by id (Vocabulary)
-        self.requests: dict[int, str] = {}  # seq id -> what it serves (SequenceAssigned)
+        self.requests: dict[int, list[tuple[int, str]]] = {}  # seq id -> (seq_no, job) of every SequenceAssigned
         self._caches: dict[str, _CacheColumns] = {}
         self._why: list[str] = []  # interned cause texts: columns hold indices
         self._why_index: dict[str, int] = {}
@@ -161,7 +161,7 @@ class CellHistory:
         elif isinstance(event, ev.Vocabulary):
             self.pieces = event.pieces
         elif isinstance(event, ev.SequenceAssigned):
-            self.requests[event.seq_id] = event.request
+            self.requests.setdefault(event.seq_id, []).append((event.seq_no, event.request))
 
     def _apply_cells(self, event: ev.CellsChanged) -> None:
         kind = _kind_of(event)
@@ -197,7 +197,8 @@ class CellHistory:
             "before the first decode"
         by = f" by {e.why}" if e.why else ""
         if e.kind == ALLOCATED:
-            return f"allocated {when} for seq {e.seq}{self._request(e.seq)}, token {self._token(e.token)}, pos {e.pos}"
+            return (f"allocated {when} for seq {e.seq}{self._request(e.seq, e.seq_no)}, token {self._token(e.token)}, "
+                    f"pos {e.pos}")
         if e.kind == SEQ_REMOVED:
             return f"seq {e.seq} removed{by} {when}"
         if e.kind == FREED:
@@ -212,9 +213,10 @@ class CellHistory:
             return f"keys re-rotated by {e.amount:+d} (K-shift) {when}"
         return f"restored (pos {e.pos}){by} {when}"
 
-    def _request(self, seq: int) -> str:
-        request = self.requests.get(seq)
-        return f" ({request})" if request else ""
+    def _request(self, seq: int, seq_no: int) -> str:
+        """The job the sequence served when event seq_no happened: its last assignment before it."""
+        jobs = [job for at, job in self.requests.get(seq, ()) if at <= seq_no]
+        return f" ({jobs[-1]})" if jobs else ""
 
     def _token(self, token: int) -> str:
         if 0 <= token < len(self.pieces):

@@ -1,0 +1,75 @@
+"""The `kvscope` command. Alone (or `kvscope tui ...`) it starts the terminal explorer; anything else is
+one of the engine's commands (engine/cli.py). The engine never imports its front-ends, so the explorer
+starts here, from the engine's own flags: a session built from them, a remote one, or a recording.
+
+Without a terminal (a pipe, CI) the explorer prints its views as text frames for a bounded number of
+steps and exits, so `kvscope` never waits for a key that cannot come."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from engine import cli
+from engine.errors import KvscopeError
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] != "tui":
+        return cli.main(argv)
+    args = cli.build_parser().parse_args(argv or ["tui"])
+    try:
+        return run_tui(args, demo=len(argv) <= 1)
+    except KvscopeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def run_tui(args: argparse.Namespace, *, demo: bool) -> int:
+    """The explorer on what the flags name (demo: the bundled model with the demo settings)."""
+    interactive = sys.stdout.isatty() and sys.stdin.isatty()
+    source = _source(args, demo, threaded=interactive)
+    try:
+        if not interactive:
+            from tui.plain import plain_frames
+
+            steps = plain_frames(source.session, args.plain_steps, sys.stdout)
+            print(f"kvscope: {steps} steps shown as text (no terminal); run kvscope in a terminal for the explorer")
+            return 0
+        from tui.app import KvscopeApp
+
+        KvscopeApp(source).run()
+        return 0
+    finally:
+        source.close()
+
+
+def _source(args: argparse.Namespace, demo: bool, *, threaded: bool):
+    from tui.sources import remote_source, replay_source, session_source
+
+    if args.connect:
+        from engine.watch.remote import RemoteSession
+
+        return remote_source(RemoteSession(args.connect, token=args.token), label=args.connect)
+    if args.replay:
+        if not threaded:
+            raise KvscopeError("--replay needs a terminal: it is stepped by hand")
+        return replay_source(args.replay)
+    if demo:
+        from tui.demo import demo_session
+
+        session = demo_session(threaded=threaded, steps_per_second=8.0 if threaded else 0.0)
+        if threaded:
+            session.start()
+        return session_source(session, label="demo: the parallel workload on the bundled model")
+    from engine.runners.session import Session
+
+    settings, spec = cli.session_settings(args)
+    session = Session(args.model, settings=settings, workload=spec, steps_per_second=args.speed, dtype=args.dtype,
+                      threaded=threaded)
+    cli.begin_session(session, args)
+    return session_source(session, label=str(args.model))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

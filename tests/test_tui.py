@@ -1,0 +1,208 @@
+"""The terminal explorer, driven as a person would (Textual's pilot): every binding does what the footer and
+the help screen say, the grid shows the engine's cells, and a bad value is told, never a crash."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from engine.runners.session import Session
+from engine.runners.workloads import WorkloadSpec
+from engine.sampling import SamplerParams
+from engine.watch.frames import EMPTY, SHARED
+from tui.app import KvscopeApp
+from tui.grid import CellGrid
+from tui.screens import HelpScreen, PromptScreen, SettingsScreen
+from tui.sources import session_source
+
+pytestmark = pytest.mark.anyio
+GREEDY = SamplerParams(temperature=0.0, seed=1)
+SETTINGS = dict(n_ctx=256, pad=64, n_seq_max=4, kv_unified=True, swa_full=True, swa_window=16)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture
+def session():
+    s = Session("demo", settings=SETTINGS, workload=WorkloadSpec("generate", n_predict=40, sampler=GREEDY))
+    s.add_prompt("And God said unto Moses").result(30)
+    yield s
+    s.close()
+
+
+def grid_equals_engine(app: KvscopeApp, session: Session) -> None:
+    grid = app.query_one(CellGrid)
+    for lane in grid.lanes:
+        cache = next(c for c in session.ctx.memory.caches() if c.name == lane.cache)
+        cells = cache.cells(lane.stream)
+        assert lane.frame.pos.tolist() == [p for p, _, _ in cells]
+        owners = [EMPTY if not s else (min(s) if len(s) == 1 else SHARED) for _, s, _ in cells]
+        assert lane.frame.owner.tolist() == owners and lane.frame.head == cache.head(lane.stream)
+
+
+async def settle(app, pilot, session, steps: int | None = None) -> None:
+    """Wait for the session to finish what it was asked, then for a frame to show it."""
+    if steps is not None:
+        deadline = 200
+        while session.status().step < steps and deadline:
+            await pilot.pause(0.05)
+            deadline -= 1
+    session.engine_cells().result(30)  # every queued command has run
+    await pilot.pause(0.2)
+    app.refresh_view()
+    await pilot.pause()
+
+
+async def test_steps_and_the_grid_shows_the_engines_cells(session):
+    app = KvscopeApp(session_source(session))
+    async with app.run_test(size=(120, 40)) as pilot:
+        for _ in range(4):
+            await pilot.press("n")
+        await settle(app, pilot, session, steps=4)
+        assert session.status().step == 4
+        grid_equals_engine(app, session)
+        assert {lane.cache for lane in app.query_one(CellGrid).lanes} == {"base", "swa"}
+
+
+async def test_space_starts_and_pauses(session):
+    app = KvscopeApp(session_source(session))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("space")
+        await settle(app, pilot, session, steps=3)
+        assert app.watcher.status.state in ("running", "idle")
+        await pilot.press("space")
+        await settle(app, pilot, session)
+        assert session.status().state == "paused"
+        grid_equals_engine(app, session)
+
+
+async def test_prompt_adds_a_sequence(session):
+    app = KvscopeApp(session_source(session))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("p")
+        assert isinstance(app.screen, PromptScreen)
+        await pilot.press(*"In the beginning")
+        await pilot.press("enter")
+        await pilot.press("n")
+        await settle(app, pilot, session, steps=1)
+        assert session.ctx.memory.seq_pos_max(1) >= 0  # the new prompt took seq 1 and was prefilled
+
+
+async def test_cursor_selection_overlays_and_zoom(session):
+    app = KvscopeApp(session_source(session))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("n", "n")
+        await settle(app, pilot, session, steps=2)
+        grid = app.query_one(CellGrid)
+        await pilot.press("right", "right")
+        assert grid.cursor == (0, 2)
+        assert app.selected_seq == 0  # the cursor's cell holds seq 0
+        assert str(app.query_one("#inspector").border_title) == "cell 2"
+        await pilot.press("down")
+        assert grid.cursor[1] == 2 + grid.lanes[0].per_row
+        await pilot.press("right_square_bracket")
+        assert grid.cursor[0] == 1
+        await pilot.press("w")
+        assert app.show_window is False
+        await pilot.press("w", "minus")
+        assert grid.zoom == 2 and grid.lanes[0].folded.cells_per_glyph == 2
+        await pilot.press("plus")
+        assert grid.zoom == 1
+        await pilot.press("tab")
+        assert app.selected_seq == 0  # the only sequence
+
+
+async def test_sequence_keys_change_the_cache(session):
+    app = KvscopeApp(session_source(session))
+    async with app.run_test(size=(120, 40)) as pilot:
+        for _ in range(12):
+            await pilot.press("n")
+        await settle(app, pilot, session, steps=12)
+        await pilot.press("right")  # seq 0 selected
+        n_before = session.ctx.memory.seq_pos_max(0)
+        await pilot.press("y")
+        await settle(app, pilot, session)
+        assert session.ctx.memory.seq_pos_max(1) == n_before  # copied to the first free sequence
+        await pilot.press("s")
+        await settle(app, pilot, session)
+        assert session.ctx.memory.seq_pos_max(0) < n_before  # the context shift discarded positions
+        await pilot.press("k")
+        await settle(app, pilot, session)
+        assert session.ctx.memory.seq_pos_max(1) == -1  # keep: only seq 0 is left
+        await pilot.press("x")
+        await settle(app, pilot, session)
+        assert session.ctx.memory.seq_pos_max(0) == -1
+        grid_equals_engine(app, session)
+
+
+async def test_a_failing_command_is_told_not_crashed(session):
+    app = KvscopeApp(session_source(session))
+    async with app.run_test(size=(120, 40)) as pilot:
+        app.selected_seq = 3  # a sequence with no cell: a context shift is refused
+        await pilot.press("s")
+        await settle(app, pilot, session)
+        await pilot.pause(0.3)
+        assert any("seq 3 holds no cells" in str(n.message) for n in app._notifications)
+        assert app.is_running
+
+
+async def test_settings_estimate_then_apply_rebuilds(session):
+    app = KvscopeApp(session_source(session))
+    async with app.run_test(size=(140, 48)) as pilot:
+        await pilot.press("o")
+        assert isinstance(app.screen, SettingsScreen)
+        field = app.screen.query_one("#set-n_ctx")
+        field.value = "not a number"
+        await pilot.click("#estimate-button")
+        assert "n_ctx: 'not a number' is not a number" in str(app.screen.query_one("#estimate").render())
+        field.value = "512"
+        await pilot.click("#estimate-button")
+        assert "fits: True" in str(app.screen.query_one("#estimate").render())
+        await pilot.click("#apply")
+        await settle(app, pilot, session)
+        assert session.ctx.n_ctx == 512
+
+
+async def test_help_and_log_filters(session):
+    app = KvscopeApp(session_source(session))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        log = app.query_one("#log")
+        await pilot.press("n")
+        await settle(app, pilot, session, steps=1)
+        await pilot.press("f")
+        assert log.group == "cells"
+        await pilot.press("right", "g", "c")
+        assert log.seq == 0 and log.cache == "base"
+        await pilot.press("q")
+    assert not app.is_running
+
+
+def test_kvscope_without_a_terminal_prints_text_frames_and_exits():
+    done = subprocess.run([sys.executable, "-m", "kvscope.launcher", "tui", "--plain-steps", "3", "-m", "demo",
+                           "--workload", "generate", "-p", "And God said", "-c", "256", "--pad", "64"],
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr
+    frames = [line for line in done.stdout.splitlines() if line.startswith("=== step")]
+    assert len(frames) == 3
+    assert "base · full attention · stream 0 · used" in done.stdout and "swa · window 64" in done.stdout
+    assert "3 steps shown as text (no terminal)" in done.stdout
+    maps = [line.split()[-1] for line in done.stdout.splitlines() if line.startswith("      0 ")]
+    assert maps and set(maps[-1]) <= set(".0M")
+
+
+def test_the_demo_without_a_terminal():
+    done = subprocess.run([sys.executable, "-m", "kvscope.launcher"], capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("=== step") == 30 and "SequenceAssigned" in done.stdout
+    used = [int(line.split("used ")[1].split("/")[0]) for line in done.stdout.splitlines()
+            if line.startswith("base ·")]
+    assert np.diff(used).min() < 0  # finished requests freed cells

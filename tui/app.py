@@ -1,0 +1,366 @@
+"""The terminal explorer: composes the views and drives them from one Watcher, once per frame.
+
+Nothing here knows a cache rule: the grid draws the watch layer's frames, the inspector its history and
+SWA visibility, the bars its device mirror. Commands go to the session (or the remote session); their
+Futures report back on the session's thread, so results reach the UI through call_from_thread.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+from textual import on
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.events import Click
+from textual.widgets import Footer, Static
+
+from engine import events as ev
+from engine.watch import AttentionWatch, Recorder, visibility
+from engine.watch.frames import SHARED
+from tui.commands import SequenceCommands
+from tui.devices import DeviceBars
+from tui.event_log import EventLog
+from tui.grid import CellGrid
+from tui.inspector import CellInspector
+from tui.screens import HelpScreen, PromptScreen, SettingsScreen
+from tui.sources import Source
+from tui.status import StatusLine
+
+FRAMES_PER_SECOND = 20
+SPEED_WINDOW_S = 2.0  # tokens/s averages the workload steps of the last seconds
+
+
+class KvscopeApp(App):
+    """kvscope's terminal explorer (see tui/__init__.py)."""
+
+    TITLE = "kvscope"
+    COMMANDS = App.COMMANDS | {SequenceCommands}
+    CSS = """
+    #title { height: 1; background: $primary-darken-2; color: $text; padding: 0 1; }
+    #side { width: 48; }
+    #main { height: 1fr; }
+    """
+    BINDINGS = [
+        Binding("space", "toggle_run", "start/pause"),
+        Binding("n", "step", "step"),
+        Binding("p", "prompt", "prompt"),
+        Binding("tab", "next_seq", "next seq"),
+        Binding("w", "toggle_window", "window"),
+        Binding("a", "toggle_attention", "attention", show=False),
+        Binding("plus,equals_sign", "zoom(-1)", "zoom in", show=False),
+        Binding("minus", "zoom(1)", "zoom out", show=False),
+        Binding("left", "cursor(-1, 0)", show=False),
+        Binding("right", "cursor(1, 0)", show=False),
+        Binding("up", "cursor(0, -1)", show=False),
+        Binding("down", "cursor(0, 1)", show=False),
+        Binding("left_square_bracket", "lane(-1)", show=False),
+        Binding("right_square_bracket", "lane(1)", show=False),
+        Binding("x", "seq_op('rm')", "rm seq", show=False),
+        Binding("k", "seq_op('keep')", "keep seq", show=False),
+        Binding("y", "seq_op('cp')", "copy seq", show=False),
+        Binding("s", "seq_op('shift')", "ctx shift", show=False),
+        Binding("o", "settings", "settings"),
+        Binding("r", "record", "record", show=False),
+        Binding("f", "log_group", show=False),
+        Binding("g", "log_seq", show=False),
+        Binding("c", "log_cache", show=False),
+        Binding("question_mark", "help", "help"),
+        Binding("q", "quit", "quit"),
+    ]
+
+    def __init__(self, source: Source, *, frames_per_second: int = FRAMES_PER_SECOND) -> None:
+        super().__init__()
+        self.source = source
+        self.frames_per_second = frames_per_second
+        self.selected_seq: int | None = None
+        self.show_window = True
+        self.show_attention = False
+        self.attention = AttentionWatch()
+        self.recorder: Recorder | None = None
+        self._steps: collections.deque[ev.WorkloadStep] = collections.deque(maxlen=512)
+        self.frames_drawn = 0
+
+    # ---- layout ----------------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield Static(id="title")
+        with Horizontal(id="main"):
+            yield CellGrid(id="grid")
+            with Vertical(id="side"):
+                yield CellInspector(id="inspector")
+                yield DeviceBars(id="devices")
+        yield EventLog(id="log")
+        yield StatusLine(id="status")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self._view(CellGrid).focus()
+        self.set_interval(1 / self.frames_per_second, self.refresh_view)
+        self.refresh_view()
+
+    def _view(self, selector, kind=None):
+        """A widget of the main screen, also while a dialog (help, settings) is on top of it."""
+        screen = self.screen_stack[0]
+        return screen.query_one(selector) if kind is None else screen.query_one(selector, kind)
+
+    @property
+    def watcher(self):
+        return self.source.watcher
+
+    # ---- one frame -------------------------------------------------------------------------------
+    def refresh_view(self) -> None:
+        """Drain the watch layer once, then redraw what the new events changed."""
+        if not self.screen_stack or not self.screen_stack[0].is_mounted:
+            return  # starting or closing: there is nothing to draw on
+        watcher = self.watcher
+        n = watcher.poll()
+        new = list(itertools.islice(watcher.recent, max(0, len(watcher.recent) - n), None)) if n else []
+        for event in new:
+            self.attention.apply(event)
+            if isinstance(event, ev.WorkloadStep):
+                self._steps.append(event)
+        if n or self.frames_drawn == 0:
+            self._draw(new)
+        self._draw_status()
+
+    def _draw(self, new: list[ev.Event]) -> None:
+        grid = self._view(CellGrid)
+        mirror = self.watcher.mirror
+        seen = self._visibility()
+        overlays = {(name, cv.stream): cv.codes for name, cv in seen.caches.items()} if seen and self.show_window \
+            else {}
+        grid.show(self.watcher.frame(), self._lane_titles(), overlays, self._heat())
+        self._draw_inspector(seen)
+        self._view(DeviceBars).show_devices(mirror.devices)
+        self._view(EventLog).add_events(new)
+        self._view("#title", Static).update(self._title())
+        self.frames_drawn += 1
+
+    def _draw_inspector(self, seen) -> None:
+        grid = self._view(CellGrid)
+        where = grid.cursor_cells()
+        if where is None:
+            return
+        lane, first, last = where
+        self._view(CellInspector).show_cell(self.watcher.mirror, self.watcher.history, lane.cache, lane.stream,
+                                                first, last, seen)
+
+    def _draw_status(self) -> None:
+        self._view(StatusLine).show_status(self.watcher, self._tokens_per_second(), self.source.label)
+
+    def _tokens_per_second(self) -> float:
+        now = time.monotonic()
+        recent = [s for s in self._steps if now - s.time <= SPEED_WINDOW_S]
+        if len(recent) < 2:
+            return 0.0
+        span = recent[-1].time - recent[0].time + recent[0].ms / 1e3
+        return sum(s.n_sampled for s in recent) / span if span > 0 else 0.0
+
+    def _title(self) -> str:
+        created = self.watcher.mirror.created
+        model = next(iter(created.values())).model_name if created else "?"
+        status = self.watcher.status
+        workload = status.workload if status else "?"
+        seq = "none" if self.selected_seq is None else str(self.selected_seq)
+        return (f"kvscope · {model} · {workload} · {self.source.kind} · selected seq {seq}"
+                f"{' · window shown' if self.show_window else ''}{' · recording' if self.recorder else ''}")
+
+    def _lane_titles(self) -> dict[str, str]:
+        titles = {}
+        for name, c in self.watcher.mirror.created.items():
+            window = f"window {c.n_swa}" if c.n_swa else "full attention"
+            titles[name] = f"{name} · {window} · {len(c.layer_ids)} layers · {c.type_k}/{c.type_v}"
+        return titles
+
+    def _visibility(self):
+        seq = self.selected_seq
+        mirror = self.watcher.mirror
+        if seq is None or not mirror.caches:
+            return None
+        try:
+            return visibility(mirror, seq)
+        except ValueError:
+            return None
+
+    def _heat(self) -> dict:
+        if not self.show_attention or self.selected_seq is None:
+            return {}
+        heat = {}
+        for name, cache in self.watcher.mirror.caches.items():
+            for stream in range(len(cache.streams)):
+                try:
+                    weights = self.attention.weights(self.selected_seq, name, stream)
+                except (KeyError, ValueError):
+                    continue
+                if weights is not None and weights.any():
+                    heat[(name, stream)] = weights
+        return heat
+
+    # ---- the cursor and selection ------------------------------------------------------------------
+    def action_cursor(self, d_glyph: int, d_row: int) -> None:
+        self._view(CellGrid).move_cursor(d_glyph=d_glyph, d_row=d_row)
+        self._select_from_cursor()
+
+    def action_lane(self, d: int) -> None:
+        self._view(CellGrid).move_cursor(d_lane=d)
+        self._select_from_cursor()
+
+    @on(Click, "#grid")
+    def _clicked(self, event: Click) -> None:
+        if self._view(CellGrid).click_cell(event.x, event.y):
+            self._select_from_cursor()
+
+    def _select_from_cursor(self) -> None:
+        where = self._view(CellGrid).cursor_cells()
+        if where is not None:
+            lane, first, last = where
+            owner = int(lane.frame.owner[first]) if last - first == 1 else -1
+            if owner >= 0:
+                self.selected_seq = owner
+            elif owner == SHARED:
+                st = self.watcher.mirror.caches[lane.cache].streams[lane.stream]
+                held = [s for s in range(256) if st.holds(s)[first]]
+                self.selected_seq = held[0] if held else self.selected_seq
+        self._draw([])
+
+    def action_next_seq(self) -> None:
+        present = sorted({s for cache in self.watcher.mirror.caches.values() for st in cache.streams
+                          for s in range(256) if st.holds(s).any()})
+        if not present:
+            return
+        current = self.selected_seq if self.selected_seq is not None else -1
+        later = [s for s in present if s > current]
+        self.selected_seq = later[0] if later else present[0]
+        self._draw([])
+
+    def action_toggle_window(self) -> None:
+        self.show_window = not self.show_window
+        self._draw([])
+
+    def action_toggle_attention(self) -> None:
+        self.show_attention = not self.show_attention
+        if self.show_attention and not self.attention.seq_ids():
+            self.notify("no attention events yet: start the session with publish_attention on "
+                        "(kvscope tui --attention)", severity="warning")
+        self._draw([])
+
+    def action_zoom(self, direction: int) -> None:
+        grid = self._view(CellGrid)
+        grid.set_zoom(grid.zoom * 2 if direction > 0 else grid.zoom // 2)
+        self._draw([])
+
+    # ---- commands ----------------------------------------------------------------------------------
+    def _session(self):
+        if not self.source.live:
+            self.notify("a recording cannot be changed: only replayed", severity="warning")
+            return None
+        return self.source.session
+
+    def command(self, name: str, future: Future, done: str = "") -> None:
+        """Report a session command's outcome when it comes (from the session's thread)."""
+        def report(f: Future) -> None:
+            error = f.exception()
+            message = f"{name}: {type(error).__name__}: {error}" if error else (done.format(result=f.result())
+                                                                                 if done else "")
+            if message:
+                self.call_from_thread(self.notify, message, severity="error" if error else "information")
+
+        future.add_done_callback(report)
+
+    def action_toggle_run(self) -> None:
+        session = self._session()
+        if session is None:
+            return
+        running = self.watcher.status is not None and self.watcher.status.state in ("running", "idle")
+        self.command("pause" if running else "start", session.pause() if running else session.start())
+
+    def action_step(self) -> None:
+        session = self._session()
+        if session is not None:
+            self.command("step", session.step(1))
+
+    def action_prompt(self) -> None:
+        if self._session() is None:
+            return
+
+        def add(text: str | None) -> None:
+            if text:
+                self.command("add_prompt", self.source.session.add_prompt(text), done="prompt added: {result}")
+
+        self.push_screen(PromptScreen(), add)
+
+    def action_seq_op(self, op: str) -> None:
+        session = self._session()
+        seq = self.selected_seq
+        if session is None:
+            return
+        if seq is None:
+            self.notify("select a sequence first (move the cursor onto one of its cells, or tab)", severity="warning")
+            return
+        if op == "rm":
+            self.command("seq_rm", session.seq_rm(seq, -1, -1), done=f"seq {seq} removed")
+        elif op == "keep":
+            self.command("seq_keep", session.seq_keep(seq), done=f"only seq {seq} kept")
+        elif op == "cp":
+            dst = self._free_seq()
+            self.command("seq_cp", session.seq_cp(seq, dst, -1, -1), done=f"seq {seq} copied to seq {dst}")
+        elif op == "shift":
+            self.command("context_shift", session.context_shift(seq, n_keep=4),
+                         done=f"context shift of seq {seq}: {{result}} positions discarded")
+
+    def _free_seq(self) -> int:
+        used = {s for cache in self.watcher.mirror.caches.values() for st in cache.streams for s in range(256)
+                if st.holds(s).any()}
+        created = next(iter(self.watcher.mirror.created.values()), None)
+        limit = created.n_seq_max if created else 1
+        return next((s for s in range(limit) if s not in used), limit - 1)
+
+    def action_settings(self) -> None:
+        session = self._session()
+        if session is None:
+            return
+        current = dict(session.status().settings)
+
+        def apply(settings: dict | None) -> None:
+            if settings:
+                self.command("rebuild", session.rebuild(**settings), done="context rebuilt")
+
+        self.push_screen(SettingsScreen(current, session.estimate, apply), apply)
+
+    def action_record(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
+            self.notify(f"recording written: {self.recorder.n_events} events to {self.recorder.path}")
+            self.recorder = None
+            return
+        bus = getattr(self.source.session, "bus", None)
+        if bus is None:
+            self.notify("recording needs a session run here (not a remote one or a replay)", severity="warning")
+            return
+        path = Path(f"kvscope-{time.strftime('%Y%m%d-%H%M%S')}.kvtrace")
+        self.recorder = Recorder(path)
+        self.recorder.attach(bus)
+        self.recorder.start()
+        self.notify(f"recording to {path} (r again to stop)")
+
+    def action_log_group(self) -> None:
+        self._view(EventLog).cycle_group()
+
+    def action_log_seq(self) -> None:
+        self._view(EventLog).toggle_seq(self.selected_seq)
+
+    def action_log_cache(self) -> None:
+        where = self._view(CellGrid).cursor_cells()
+        self._view(EventLog).toggle_cache(where[0].cache if where else None)
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    async def action_quit(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
+        self.exit()

@@ -1,0 +1,18 @@
+"""What `kvscope` with no arguments runs: the bundled demo model under llama.cpp's parallel workload, with
+settings that make the cache's behaviour show within seconds: a small cache shared by four clients, so
+that sliding windows slide, finished requests free their cells, and a slot search now and then fails and
+is retried with a smaller batch."""
+from __future__ import annotations
+
+from engine.runners.session import Session
+from engine.runners.workloads import WorkloadSpec
+
+DEMO_SETTINGS = dict(n_ctx=256, pad=64, n_seq_max=5, kv_unified=True, n_batch=64, swa_window=16)
+DEMO_WORKLOAD = WorkloadSpec("parallel", n_clients=4, n_sequences=400, n_predict=48, arrival_gap=2,
+                             sampler=dict(temperature=0.8, seed=1))
+
+
+def demo_session(*, threaded: bool = True, steps_per_second: float = 8.0) -> Session:
+    """The demo session; steps_per_second: slow enough to watch (0: as fast as the machine goes)."""
+    return Session("demo", settings=DEMO_SETTINGS, workload=DEMO_WORKLOAD, threaded=threaded,
+                   steps_per_second=steps_per_second)

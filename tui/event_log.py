@@ -1,0 +1,72 @@
+"""The event log: one line per event, filtered by kind, sequence and cache."""
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widgets import RichLog
+
+from engine import events as ev
+from engine.watch import style
+from engine.watch.describe import describe_event, event_group, event_seqs
+
+GROUPS = ("all", "cells", "decodes", "tokens", "commands", "quirks")
+
+
+class EventLog(RichLog):
+    DEFAULT_CSS = """
+    EventLog { height: 8; border: round $primary-darken-2; overflow-x: hidden; }
+    """
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(max_lines=2000, wrap=False, markup=False, **kwargs)
+        self.group = "all"
+        self.seq: int | None = None  # only events of this sequence
+        self.cache: str | None = None  # only cell events of this cache
+        self._title()
+
+    def _title(self) -> None:
+        parts = [f"events [{self.group}]"]
+        if self.seq is not None:
+            parts.append(f"seq {self.seq}")
+        if self.cache is not None:
+            parts.append(f"cache {self.cache}")
+        self.border_title = " · ".join(parts) + "  (f: kind, g: this seq, c: this cache)"
+
+    def cycle_group(self) -> None:
+        self.group = GROUPS[(GROUPS.index(self.group) + 1) % len(GROUPS)]
+        self._title()
+
+    def toggle_seq(self, seq: int | None) -> None:
+        self.seq = None if self.seq is not None else seq
+        self._title()
+
+    def toggle_cache(self, cache: str | None) -> None:
+        self.cache = None if self.cache is not None else cache
+        self._title()
+
+    def keeps(self, event: ev.Event) -> bool:
+        if self.group == "quirks":
+            if not getattr(event, "quirk", ""):
+                return False
+        elif self.group != "all" and event_group(event) != self.group:
+            return False
+        if self.seq is not None and self.seq not in event_seqs(event):
+            return False
+        if self.cache is not None and getattr(event, "cache", self.cache) != self.cache:
+            return False
+        return True
+
+    def add_events(self, events: list[ev.Event]) -> None:
+        for event in events:
+            if self.keeps(event):
+                self.write(_line(event))
+
+
+def _line(event: ev.Event) -> Text:
+    text = Text(f"{event.seq_no:>7} ", style="dim")
+    seqs = sorted(event_seqs(event))
+    body = describe_event(event)
+    color = style.seq_color(seqs[0]) if len(seqs) == 1 else None
+    text.append(body, style=color or "")
+    if getattr(event, "quirk", ""):
+        text.stylize(style.QUIRK_COLOR, len(text) - len(body) + body.index("!"))
+    return text

@@ -1,0 +1,60 @@
+"""The cell under the cursor: where it is, what it holds, and the story of how it got there."""
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widgets import Static
+
+from engine.watch import style
+from engine.watch.history import ALLOCATED, CellHistory
+from engine.watch.mirror import CacheMirror
+from engine.watch.visibility import SequenceVisibility
+
+
+class CellInspector(Static):
+    DEFAULT_CSS = """
+    CellInspector { height: auto; max-height: 12; border: round $primary-darken-2; padding: 0 1; }
+    """
+
+    def show_cell(self, mirror: CacheMirror, history: CellHistory, cache: str, stream: int, first: int, last: int,
+                  seen: SequenceVisibility | None) -> None:
+        self.border_title = f"cell {first}" if last - first == 1 else f"cells {first}..{last - 1}"
+        text = Text()
+        state = mirror.caches.get(cache)
+        if state is None:
+            self.update("no cache yet")
+            return
+        st = state.streams[stream]
+        if last - first > 1:
+            used = int((st.pos[first:last] >= 0).sum())
+            text.append(f"{cache} stream {stream}: {used} of {last - first} cells used\n")
+            text.append("zoom in (+) to see single cells", style="dim")
+            self.update(text)
+            return
+        pos = int(st.pos[first])
+        seqs = [int(s) for s in range(256) if st.holds(s)[first]] if pos >= 0 else []
+        text.append(f"{cache} · stream {stream} · ")
+        if pos < 0:
+            text.append("empty", style="dim")
+        else:
+            text.append(f"pos {pos} · ")
+            for s in seqs:
+                text.append(f"seq {s} ", style=style.seq_color(s))
+            token = _token_of(history, cache, stream, first)
+            if token:
+                text.append(f"· token {token!r}")
+            shift = int(st.shift[first])
+            if shift:
+                text.append(f" · pending shift {shift:+d}", style="bold")
+        text.append("\n")
+        text.append(history.explain(cache, stream, first), style="italic")
+        if seen is not None and cache in seen.caches:
+            text.append("\n" + seen.caches[cache].describe(), style="dim")
+        self.update(text)
+
+
+def _token_of(history: CellHistory, cache: str, stream: int, cell: int) -> str:
+    """The text of the token the cell's last allocation placed ('' when the history does not reach it)."""
+    for entry in reversed(history.entries(cache, stream, cell)):
+        if entry.kind == ALLOCATED:
+            return history.pieces[entry.token] if 0 <= entry.token < len(history.pieces) else f"#{entry.token}"
+    return ""

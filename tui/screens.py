@@ -1,0 +1,190 @@
+"""Screens over the main view: help (what every glyph and colour means), a prompt, and the settings that
+rebuild the context, with the memory they would take shown before they are applied."""
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, Static
+
+from engine.watch import style
+
+HELP = """\
+[b]kvscope[/b] shows a KV cache the way llama.cpp keeps it: each cache stream is a lane of cells.
+
+[b]Cells[/b]
+  {empty}  empty          {one}  one sequence (its colour)      {shared}  several sequences
+  [u b]{one}[/u b]  changed since the last frame                  ?  touched by a dry run (slot search)
+  »/«  a pending shift (applied to the keys at the next decode: the K-shift)
+  [on {head}] [/]  the head: where the next slot search starts
+  ╳  the selected sequence's cell that its next token does not see (outside the sliding window)
+  dim  another sequence's cell, not seen by the selected one
+  red background: attention of the selected sequence's last token (when the session publishes it)
+  When a lane is wider than the screen, a glyph covers several cells: {shades} from empty to full.
+
+[b]Sequences[/b] keep one colour everywhere: {colours}
+
+[b]Lanes[/b]  kv: the cache of a full-attention model. base / swa: the two caches of a sliding-window
+model (full-attention layers / sliding layers). With split streams (-np without -kvu) every sequence has
+a stream of its own.
+
+[b]QUIRKs[/b]  llama.cpp behaviour that looks unintended is reproduced, and its events say so (a ! in the
+log): the dry run's SWA purge, the heads after a failed dry run, seq_div's shift sign.
+
+[b]Keys[/b]  space start/pause · n one step · p prompt · arrows / mouse: cell · [ ] lane · tab: next
+sequence · w window overlay · a attention overlay · + - zoom · x rm · k keep · y copy · s shift the sequence
+(context shift) · ctrl+p commands · o settings · f g c log filters · ? help · q quit
+"""
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,q,question_mark", "dismiss", "close")]
+    DEFAULT_CSS = """
+    HelpScreen { align: center middle; }
+    HelpScreen > VerticalScroll { width: 100; max-width: 95%; height: auto; max-height: 90%;
+                                  border: round $accent; background: $surface; padding: 1 2; }
+    """
+
+    def compose(self) -> ComposeResult:
+        colours = " ".join(f"[{c}]{style.GLYPH_ONE}{i}[/]" for i, c in enumerate(style.PALETTE))
+        text = HELP.format(empty=style.GLYPH_EMPTY, one=style.GLYPH_ONE, shared=style.GLYPH_SHARED,
+                           head=style.HEAD_COLOR, shades="".join(style.OCCUPANCY_GLYPHS[1:]), colours=colours)
+        with VerticalScroll():
+            yield Static(text)
+
+
+class PromptScreen(ModalScreen[str | None]):
+    """A prompt for a new sequence (or a new request of the parallel workload)."""
+
+    BINDINGS = [Binding("escape", "cancel", "cancel")]
+    DEFAULT_CSS = """
+    PromptScreen { align: center middle; }
+    PromptScreen > Vertical { width: 80; max-width: 95%; height: auto; border: round $accent;
+                              background: $surface; padding: 1 2; }
+    """
+
+    def compose(self) -> ComposeResult:
+        with Vertical():
+            yield Label("A prompt for a new sequence (enter: add, escape: cancel)")
+            yield Input(placeholder="And God said unto Moses", id="prompt")
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        self.dismiss(event.value.strip() or None)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+SETTINGS = (  # name, kind, what it is
+    ("n_ctx", int, "cells in all (-c)"), ("pad", int, "padding of sizes (llama.cpp: 256)"),
+    ("n_seq_max", int, "sequences (-np)"), ("kv_unified", bool, "one stream for all (-kvu)"),
+    ("type_k", str, "K cache type (-ctk)"), ("type_v", str, "V cache type (-ctv)"),
+    ("swa_full", bool, "full-size SWA cache (--swa-full)"), ("swa_window", int, "sliding window (--swa-window)"),
+    ("n_gpu_layers", int, "layers offloaded (-ngl)"), ("tensor_split", list, "split across GPUs (-ts 3,1)"),
+    ("offload_kqv", bool, "K/V on the layers' devices (off: -nkvo)"),
+    ("devices", list, "virtual GPUs (VGPU0=2GiB,VGPU1=1GiB)"),
+)
+
+
+class SettingsScreen(ModalScreen[dict | None]):
+    """Context settings. Estimate shows what each device would hold; Apply rebuilds the context."""
+
+    BINDINGS = [Binding("escape", "cancel", "cancel")]
+    DEFAULT_CSS = """
+    SettingsScreen { align: center middle; }
+    SettingsScreen > Vertical { width: 100; max-width: 98%; height: auto; max-height: 95%; border: round $accent;
+                                background: $surface; padding: 0 1; }
+    SettingsScreen Grid { grid-size: 3; grid-columns: 14 22 1fr; grid-rows: 3; height: auto; }
+    SettingsScreen Label { padding: 1 0; }
+    #estimate { height: auto; min-height: 3; padding: 0 1; }
+    """
+
+    def __init__(self, current: dict, estimate, apply) -> None:
+        """current: the context's settings; estimate(**settings) -> object with to_dict(); apply: called
+        with the parsed settings when the user applies them."""
+        super().__init__()
+        self.current, self._estimate, self._apply = current, estimate, apply
+
+    def compose(self) -> ComposeResult:
+        with Vertical():
+            yield Label("Context settings (enter or Estimate: memory per device; Apply: rebuild, the cache "
+                        "starts empty)")
+            with Grid():
+                for name, _, what in SETTINGS:
+                    yield Label(name)
+                    yield Input(value=_shown(self.current.get(name)), id=f"set-{name}")
+                    yield Label(what)
+            yield Static("", id="estimate")
+            with Horizontal():
+                yield Button("Estimate", id="estimate-button")
+                yield Button("Apply", id="apply", variant="primary")
+                yield Button("Cancel", id="cancel")
+
+    def parsed(self) -> dict:
+        """The fields as settings; a field that does not parse raises ValueError naming it."""
+        out = {}
+        for name, kind, _ in SETTINGS:
+            raw = self.query_one(f"#set-{name}", Input).value.strip()
+            if raw in ("", "None", "default"):
+                continue
+            out[name] = _parse(name, kind, raw)
+        return out
+
+    def show_estimate(self) -> bool:
+        box = self.query_one("#estimate", Static)
+        try:
+            settings = self.parsed()
+            result = self._estimate(**settings)
+        except Exception as e:  # noqa: BLE001 - any bad value is told here, never a crash
+            box.update(Text(f"cannot use these settings: {e}", style="bold red"))
+            return False
+        data = result.to_dict() if hasattr(result, "to_dict") else result
+        lines = [f"fits: {data.get('fits')}"]
+        for d in data.get("devices", []):
+            cap = f" of {d['capacity'] / 2**20:.0f} MiB" if d.get("capacity") else ""
+            lines.append(f"{d['device']:<10} weights {d['model_bytes'] / 2**20:8.1f} MiB · K/V "
+                         f"{d['kv_bytes'] / 2**20:8.1f} MiB · compute {d['compute_bytes'] / 2**20:8.1f} MiB · "
+                         f"total {d['total_bytes'] / 2**20:8.1f} MiB{cap}" + (" (virtual)" if d.get("virtual") else "")
+                         + ("" if d.get("fits", True) else "  DOES NOT FIT"))
+        box.update("\n".join(lines))
+        return bool(data.get("fits", True))
+
+    def on_input_submitted(self) -> None:
+        self.show_estimate()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "cancel":
+            self.dismiss(None)
+        elif event.button.id == "estimate-button":
+            self.show_estimate()
+        elif self.show_estimate():
+            self.dismiss(self.parsed())
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+def _shown(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def _parse(name: str, kind: type, raw: str):
+    try:
+        if kind is bool:
+            if raw.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                raise ValueError(raw)
+            return raw.lower() in ("true", "1", "yes", "on")
+        if kind is int:
+            return int(raw)
+        if kind is list:
+            items = [p.strip() for p in raw.split(",") if p.strip()]
+            return [float(p) for p in items] if name == "tensor_split" else items
+        return raw
+    except ValueError:
+        raise ValueError(f"{name}: {raw!r} is not {'a number' if kind is int else kind.__name__}") from None

@@ -1,0 +1,50 @@
+"""Where the explorer's events come from, behind one face: a session run here, a remote session, or a
+recording replayed. Each gives a Watcher and says which controls it has."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.watch.watcher import Watcher
+
+
+@dataclass
+class Source:
+    """A session-like object (Session or RemoteSession) and its watcher, or a replay. `live` is False for
+    a replay, whose controls are the replay's (step back and forth, seek)."""
+
+    kind: str  # "session", "remote" or "replay"
+    own_watcher: Watcher | None = None
+    session: Any = None  # Session or RemoteSession: start, pause, step, add_prompt, seq_rm, ...
+    replay: Any = None  # engine.watch.replay.Replay of a recording
+    label: str = ""
+
+    @property
+    def live(self) -> bool:
+        return self.session is not None
+
+    @property
+    def watcher(self) -> Watcher:
+        """The watcher to draw from (a replay may rebuild its own when it seeks backward)."""
+        return self.replay.watcher if self.replay is not None else self.own_watcher
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+        if self.replay is not None:
+            self.replay.close()
+
+
+def session_source(session, label: str = "") -> Source:
+    return Source("session", Watcher.of(session), session=session, label=label)
+
+
+def remote_source(remote, label: str = "") -> Source:
+    return Source("remote", Watcher.of(remote), session=remote, label=label)
+
+
+def replay_source(path) -> Source:
+    from engine.watch.recording import RecordingReader
+    from engine.watch.replay import Replay
+
+    return Source("replay", replay=Replay(RecordingReader(path)), label=str(path))
