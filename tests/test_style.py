@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 
 from engine.watch.frames import EMPTY, SHARED, StreamFrame
-from engine.watch.style import PALETTE, fold, occupancy_glyph, owner_color, owner_glyph, seq_color
+from engine.watch.style import (
+    PALETTE,
+    fold,
+    occupancy_glyph,
+    owner_color,
+    owner_glyph,
+    seq_color,
+)
 
 
 def test_colours_are_stable_distinct_and_wrap():

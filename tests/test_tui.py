@@ -206,3 +206,37 @@ def test_the_demo_without_a_terminal():
     used = [int(line.split("used ")[1].split("/")[0]) for line in done.stdout.splitlines()
             if line.startswith("base ·")]
     assert np.diff(used).min() < 0  # finished requests freed cells
+
+
+async def test_a_replayed_recording_shows_the_final_grid_and_steps_back(session, tmp_path):
+    from engine.watch import Recorder
+    from tui.sources import replay_source
+
+    path = tmp_path / "run.kvtrace"
+    recorder = Recorder(path, keyframe_every=100)
+    recorder.attach(session.bus)
+    session.step(30).result(60)
+    session.context_shift(0, n_keep=4).result(30)
+    session.step(2).result(30)
+    recorder.pump()
+    recorder.close()
+    source = replay_source(path)
+    app = KvscopeApp(source)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("end")
+        await pilot.pause(0.2)
+        app.refresh_view()
+        grid_equals_engine(app, session)  # the last event's grid is the live engine's
+        replay = source.replay
+        end = replay.position
+        await pilot.press("comma", "comma")
+        await pilot.pause(0.1)
+        app.refresh_view()
+        assert replay.position == end - 2
+        await pilot.press("f", "J")  # back to the previous cell event
+        assert isinstance(replay.event, __import__("engine").events.CellsChanged)
+        await pilot.press("0")
+        assert replay.position <= 0
+        await pilot.press("x")  # a recording cannot be changed: told, not crashed
+        await pilot.pause(0.2)
+        assert any("only replayed" in str(n.message) for n in app._notifications)

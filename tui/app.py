@@ -16,6 +16,7 @@ from textual import on
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.events import Click
 from textual.widgets import Footer, Static
 
@@ -32,6 +33,10 @@ from tui.sources import Source
 from tui.status import StatusLine
 
 FRAMES_PER_SECOND = 20
+REPLAY_EVENTS_PER_FRAME = 25  # a playing replay: about 500 events a second
+SHOWN_IN_REPLAY_LOG = 50
+JUMP_KINDS = {"cells": ["CellsChanged"], "decodes": ["DecodeStarted", "DecodeFinished", "SlotSearchFailed"],
+              "tokens": ["TokenSampled", "SequenceAssigned"], "commands": ["CommandDone", "SessionStatus"]}
 SPEED_WINDOW_S = 2.0  # tokens/s averages the workload steps of the last seconds
 
 
@@ -69,6 +74,15 @@ class KvscopeApp(App):
         Binding("f", "log_group", show=False),
         Binding("g", "log_seq", show=False),
         Binding("c", "log_cache", show=False),
+        Binding("comma", "replay_step(-1)", "back", show=False),
+        Binding("full_stop", "replay_step(1)", "forward", show=False),
+        Binding("less_than_sign", "replay_step(-100)", show=False),
+        Binding("greater_than_sign", "replay_step(100)", show=False),
+        Binding("j", "replay_jump(1)", "next of kind", show=False),
+        Binding("J", "replay_jump(-1)", show=False),
+        Binding("home", "replay_seek(0.0)", show=False),
+        Binding("end", "replay_seek(1.0)", show=False),
+        *[Binding(str(d), f"replay_seek({d / 10})", show=False) for d in range(10)],
         Binding("question_mark", "help", "help"),
         Binding("q", "quit", "quit"),
     ]
@@ -84,6 +98,8 @@ class KvscopeApp(App):
         self.recorder: Recorder | None = None
         self._steps: collections.deque[ev.WorkloadStep] = collections.deque(maxlen=512)
         self.frames_drawn = 0
+        self.playing = False  # a replay advancing by itself (space)
+        self._shown_at: tuple[int, int] = (-2, -1)  # a replay's (position, rebuilds) last drawn
 
     # ---- layout ----------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -116,6 +132,15 @@ class KvscopeApp(App):
         """Drain the watch layer once, then redraw what the new events changed."""
         if not self.screen_stack or not self.screen_stack[0].is_mounted:
             return  # starting or closing: there is nothing to draw on
+        try:
+            self._refresh()
+        except NoMatches:
+            pass  # the main screen's widgets are being mounted or removed: the next frame draws
+
+    def _refresh(self) -> None:
+        if self.source.replay is not None:
+            self._refresh_replay()
+            return
         watcher = self.watcher
         n = watcher.poll()
         new = list(itertools.islice(watcher.recent, max(0, len(watcher.recent) - n), None)) if n else []
@@ -125,6 +150,25 @@ class KvscopeApp(App):
                 self._steps.append(event)
         if n or self.frames_drawn == 0:
             self._draw(new)
+        self._draw_status()
+
+    def _refresh_replay(self) -> None:
+        """A replay moves by keys (or plays): draw when its position moved, the log from what it replayed."""
+        replay = self.source.replay
+        if self.playing:
+            replay.step(REPLAY_EVENTS_PER_FRAME)
+            self.playing = not replay.at_end
+        shown = (replay.position, replay.rebuilds)
+        if shown != self._shown_at or self.frames_drawn == 0:
+            self._shown_at = shown
+            self.attention = AttentionWatch()
+            recent = list(self.watcher.recent)
+            for event in recent:
+                self.attention.apply(event)
+            log = self._view(EventLog)
+            log.clear()
+            self._draw(recent[-SHOWN_IN_REPLAY_LOG:])
+            log.border_subtitle = f"event {replay.position + 1} of {len(replay)}"
         self._draw_status()
 
     def _draw(self, new: list[ev.Event]) -> None:
@@ -166,6 +210,9 @@ class KvscopeApp(App):
         status = self.watcher.status
         workload = status.workload if status else "?"
         seq = "none" if self.selected_seq is None else str(self.selected_seq)
+        if self.source.replay is not None:
+            replay = self.source.replay
+            workload = f"replay {replay.position + 1}/{len(replay)}{' playing' if self.playing else ''}"
         return (f"kvscope · {model} · {workload} · {self.source.kind} · selected seq {seq}"
                 f"{' · window shown' if self.show_window else ''}{' · recording' if self.recorder else ''}")
 
@@ -271,7 +318,33 @@ class KvscopeApp(App):
 
         future.add_done_callback(report)
 
+    # ---- replay -----------------------------------------------------------------------------------
+    def action_replay_step(self, n: int) -> None:
+        if self.source.replay is not None:
+            self.playing = False
+            self.source.replay.step(n)
+
+    def action_replay_seek(self, fraction: float) -> None:
+        if self.source.replay is not None:
+            self.playing = False
+            self.source.replay.seek_fraction(fraction)
+
+    def action_replay_jump(self, direction: int) -> None:
+        """To the next (or previous) event of the kinds the log's filter shows, of the selected sequence
+        when the log follows one."""
+        replay = self.source.replay
+        if replay is None:
+            return
+        log = self._view(EventLog)
+        kinds, quirk = JUMP_KINDS.get(log.group), (True if log.group == "quirks" else None)
+        jump = replay.next_of if direction > 0 else replay.previous_of
+        if jump(kinds, seq_id=log.seq, cache=log.cache, quirk=quirk) is None:
+            self.notify(f"no {'later' if direction > 0 else 'earlier'} event of that kind", severity="warning")
+
     def action_toggle_run(self) -> None:
+        if self.source.replay is not None:
+            self.playing = not self.playing
+            return
         session = self._session()
         if session is None:
             return

@@ -9,6 +9,7 @@ from engine.watch import style
 from engine.watch.describe import describe_event, event_group, event_seqs
 
 GROUPS = ("all", "cells", "decodes", "tokens", "commands", "quirks")
+SHOWN_PER_FRAME = 50
 
 
 class EventLog(RichLog):
@@ -24,7 +25,7 @@ class EventLog(RichLog):
         self._title()
 
     def _title(self) -> None:
-        parts = [f"events [{self.group}]"]
+        parts = [f"events: {self.group}"]
         if self.seq is not None:
             parts.append(f"seq {self.seq}")
         if self.cache is not None:
@@ -56,9 +57,16 @@ class EventLog(RichLog):
         return True
 
     def add_events(self, events: list[ev.Event]) -> None:
-        for event in events:
-            if self.keeps(event):
-                self.write(_line(event))
+        """Append the kept events; of a burst, only the latest SHOWN_PER_FRAME (the log shows a few lines,
+        and writing thousands of them per frame would slow the whole view), saying how many were passed."""
+        kept = [e for e in events if self.keeps(e)]
+        if len(kept) > SHOWN_PER_FRAME:
+            passed = len(kept) - SHOWN_PER_FRAME
+            self.write(Text(f"        ... {passed} more events (a recording or the filters show every one)",
+                            style="dim"))
+            kept = kept[-SHOWN_PER_FRAME:]
+        for event in kept:
+            self.write(_line(event))
 
 
 def _line(event: ev.Event) -> Text:

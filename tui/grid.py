@@ -17,13 +17,12 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from engine.watch import style
-from engine.watch.frames import EMPTY, Frame, StreamFrame
+from engine.watch.frames import EMPTY, SHARED, Frame, StreamFrame
 from engine.watch.visibility import CellVisibility
 
 LABEL_WIDTH = 6  # "00000 " before each row: the index of its first cell
 TITLE = Style(bold=True)
 DIM = Style(color="#6C6C6C")
-CURSOR = Style(reverse=True)
 
 
 @dataclass
@@ -39,6 +38,8 @@ class Lane:
     first_line: int  # its title's line in the grid
     codes: np.ndarray | None = None  # CellVisibility per cell for the selected sequence, or None
     heat: np.ndarray | None = None  # attention weight per cell, or None
+    text: np.ndarray | None = None  # the glyph of each glyph position (see _glyph_arrays)
+    key: np.ndarray | None = None  # its style, as a key of _STYLES
 
     @property
     def n_glyphs(self) -> int:
@@ -93,6 +94,7 @@ class CellGrid(ScrollView, can_focus=True):
             folded = style.fold(sf, -(-sf.size // self.zoom))
             lane = Lane(sf.cache, sf.stream, self._lane_title(sf, folded), sf, folded, per_row, line,
                         self._overlays.get((sf.cache, sf.stream)), self._heat.get((sf.cache, sf.stream)))
+            lane.text, lane.key = _glyph_arrays(lane)
             lanes.append(lane)
             line += lane.n_lines
         self.lanes = lanes
@@ -168,51 +170,70 @@ class CellGrid(ScrollView, can_focus=True):
         lo = row * lane.per_row
         hi = min(lo + lane.per_row, lane.n_glyphs)
         segments = [Segment(f"{int(lane.folded.start[lo]):>5} ", DIM)]
-        cursor = self.cursor[1] if self.cursor[0] == k else -1
-        run_text, run_style = [], None
-        for g in range(lo, hi):
-            text, glyph_style = self._glyph(lane, g)
-            if g == cursor:
-                glyph_style = glyph_style + CURSOR
-            if glyph_style != run_style and run_text:
-                segments.append(Segment("".join(run_text), run_style))
-                run_text = []
-            run_text.append(text)
-            run_style = glyph_style
-        if run_text:
-            segments.append(Segment("".join(run_text), run_style))
+        text, key = lane.text[lo:hi], lane.key[lo:hi].copy()
+        cursor = self.cursor[1] - lo if self.cursor[0] == k else -1
+        if 0 <= cursor < len(key):
+            key[cursor] |= CURSOR_BIT
+        # one segment per run of equal style: a row is a few runs, not a glyph each
+        bounds = np.flatnonzero(key[1:] != key[:-1]) + 1
+        starts = np.r_[0, bounds]
+        ends = np.r_[bounds, len(key)]
+        for a, b in zip(starts.tolist(), ends.tolist()):
+            segments.append(Segment("".join(text[a:b].tolist()), _style(int(key[a]))))
         return Strip(segments)
 
-    def _glyph(self, lane: Lane, g: int) -> tuple[str, Style]:
-        f = lane.folded
-        owner = int(f.owner[g])
-        if f.cells_per_glyph == 1:
-            text = style.owner_glyph(owner)
-        else:
-            text = style.occupancy_glyph(float(f.occupancy[g]))
-        color = style.owner_color(owner)
-        bold = underline = False
-        if f.tentative[g]:
-            text = style.GLYPH_TENTATIVE
-        if f.changed[g]:
-            bold = underline = True
-        if f.shifted[g] and f.cells_per_glyph == 1:
-            text = "»" if lane.frame.shift[g] > 0 else "«"
-        bgcolor = style.HEAD_COLOR if g == f.head else None
-        dim = False
-        if lane.codes is not None and f.cells_per_glyph == 1:
-            code = lane.codes[g]
-            if code == CellVisibility.MASKED:
-                text, dim = "╳", True
-            elif code in (CellVisibility.OTHER, CellVisibility.EMPTY) and owner != EMPTY:
-                dim = True
-        if lane.heat is not None and f.cells_per_glyph == 1 and lane.heat[g] > 0:
-            bgcolor = _heat_color(float(lane.heat[g]))
-        return text, Style(color=color, bgcolor=bgcolor, bold=bold, underline=underline, dim=dim)
+
+# ---- glyphs as arrays: one numpy pass per lane and frame -----------------------------------------------
+# A style key packs: colour index (sequence palette, then SHARED, EMPTY) | flag bits | heat level
+COLOURS = (*style.PALETTE, style.SHARED_COLOR, style.EMPTY_COLOR)
+SHARED_INDEX, EMPTY_INDEX = len(style.PALETTE), len(style.PALETTE) + 1
+CHANGED_BIT, DIM_BIT, HEAD_BIT, CURSOR_BIT = 1 << 4, 1 << 5, 1 << 6, 1 << 7
+HEAT_SHIFT, HEAT_LEVELS = 8, 8
+_STYLES: dict[int, Style] = {}
 
 
-def _heat_color(weight: float) -> str:
-    """Attention as a background: from dark to a warm red as the weight grows (square root: small
-    weights still show)."""
-    level = int(40 + 200 * min(1.0, weight) ** 0.5)
-    return f"rgb({level},{level // 4},{level // 6})"
+def _style(key: int) -> Style:
+    found = _STYLES.get(key)
+    if found is None:
+        heat = key >> HEAT_SHIFT
+        bgcolor = _heat_color(heat) if heat else (style.HEAD_COLOR if key & HEAD_BIT else None)
+        found = _STYLES[key] = Style(color=COLOURS[key & 0xF], bgcolor=bgcolor, bold=bool(key & CHANGED_BIT),
+                                     underline=bool(key & CHANGED_BIT), dim=bool(key & DIM_BIT),
+                                     reverse=bool(key & CURSOR_BIT))
+    return found
+
+
+def _glyph_arrays(lane: Lane) -> tuple[np.ndarray, np.ndarray]:
+    """Each glyph's character and style key, for the whole lane at once."""
+    f = lane.folded
+    owner = f.owner.astype(np.int64)
+    one = f.cells_per_glyph == 1
+    colour = np.where(owner == SHARED, SHARED_INDEX, np.where(owner == EMPTY, EMPTY_INDEX, owner % len(style.PALETTE)))
+    if one:
+        text = np.where(owner == SHARED, style.GLYPH_SHARED, np.where(owner == EMPTY, style.GLYPH_EMPTY,
+                                                                       style.GLYPH_ONE))
+        shift = lane.frame.shift
+        text = np.where(shift > 0, "»", np.where(shift < 0, "«", text))
+    else:
+        levels = np.array(style.OCCUPANCY_GLYPHS)
+        text = levels[np.where(f.occupancy <= 0, 0, np.minimum(4, 1 + (f.occupancy * 4 - 1e-9).astype(int)))]
+    text = np.where(f.tentative, style.GLYPH_TENTATIVE, text)
+    key = colour + np.where(f.changed, CHANGED_BIT, 0)
+    if lane.codes is not None and one:
+        masked = lane.codes == CellVisibility.MASKED
+        text = np.where(masked, "╳", text)
+        unseen = masked | (((lane.codes == CellVisibility.OTHER) | (lane.codes == CellVisibility.EMPTY)) & (owner != EMPTY))
+        key = key + np.where(unseen, DIM_BIT, 0)
+    if f.head < len(key):
+        key[f.head] |= HEAD_BIT
+    if lane.heat is not None and one:
+        level = np.minimum(HEAT_LEVELS - 1, np.ceil(np.sqrt(np.clip(lane.heat, 0, 1)) * (HEAT_LEVELS - 1))).astype(int)
+        key = key + (level << HEAT_SHIFT)
+    return text.astype("<U1"), key.astype(np.int64)
+
+
+def _heat_color(level: int) -> str:
+    """Attention as a background, from dark to a warm red; levels follow the square root of the weight,
+    so that small weights still show."""
+    red = 40 + 200 * level // (HEAT_LEVELS - 1)
+    return f"rgb({red},{red // 4},{red // 6})"

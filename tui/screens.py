@@ -35,7 +35,9 @@ log): the dry run's SWA purge, the heads after a failed dry run, seq_div's shift
 
 [b]Keys[/b]  space start/pause · n one step · p prompt · arrows / mouse: cell · [ ] lane · tab: next
 sequence · w window overlay · a attention overlay · + - zoom · x rm · k keep · y copy · s shift the sequence
-(context shift) · ctrl+p commands · o settings · f g c log filters · ? help · q quit
+(context shift) · ctrl+p commands · o settings · r record · f g c log filters · ? help · q quit
+[b]Replay[/b] (kvscope tui --replay FILE)  , . one event back / forward · < > a hundred · 0-9 home end: jump
+to a tenth of the way · j J: next / previous event of the log's filter (f g c) · space: play / pause
 """
 
 

@@ -16,7 +16,8 @@ class StatusLine(Static):
         text = Text()
         status = watcher.status
         state = status.state if status else "?"
-        step = status.step if status else (watcher.last_step.step if watcher.last_step else 0)
+        # the status event comes when the state changes; the steps' own events keep the count current
+        step = max(status.step if status else 0, watcher.last_step.step if watcher.last_step else 0)
         text.append(f"{state} ", style="bold reverse" if state == "running" else "bold")
         text.append(f" step {step} · {tokens_per_s:.0f} tok/s")
         for name, cache in watcher.mirror.caches.items():

@@ -10,6 +10,7 @@ from engine.watch.frames import Frame, StreamFrame
 from engine.watch.history import CellHistory
 from engine.watch.mirror import CacheMirror
 from engine.watch.recording import Recorder, RecordingError, RecordingReader
+from engine.watch.replay import Replay
 from engine.watch.visibility import (
            CellVisibility,
            LayerKind,
@@ -19,5 +20,5 @@ from engine.watch.visibility import (
 from engine.watch.watcher import Watcher
 
 __all__ = ["AttentionWatch", "CacheMirror", "CellHistory", "CellVisibility", "DeviceMirror", "Frame", "LayerKind",
-           "Recorder", "RecordingError", "RecordingReader", "SequenceVisibility", "StreamFrame", "Watcher",
+           "Recorder", "RecordingError", "RecordingReader", "Replay", "SequenceVisibility", "StreamFrame", "Watcher",
            "visibility"]

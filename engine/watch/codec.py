@@ -90,6 +90,30 @@ def decode_event(data: bytes) -> ev.Event:
     return event
 
 
+def event_kind(data: bytes) -> str:
+    """The kind (class name) of an encoded event, read without decoding the rest: cheap enough to scan a
+    whole recording for events of some kinds. CodecError if `data` does not start as an encoded event."""
+    # the usual bytes, a fixarray of 4 and then a fixstr (kind names are short), need no unpacker
+    if len(data) > 2 and data[0] == 0x94 and 0xA0 <= data[1] <= 0xBF:
+        end = 2 + (data[1] & 0x1F)
+        if len(data) >= end:
+            try:
+                return data[2:end].decode("utf-8")
+            except UnicodeDecodeError:
+                pass  # fall through to the general reader, which names the problem
+    try:
+        unpacker = msgpack.Unpacker(raw=False)
+        unpacker.feed(data)
+        n = unpacker.read_array_header()
+        kind = unpacker.unpack()
+    except Exception as e:  # msgpack reports bad bytes with several exception types
+        raise CodecError(f"not an encoded event ({type(e).__name__}: {e})") from None
+    if n != 4 or not isinstance(kind, str):
+        raise CodecError(f"not an encoded event: expected [kind, seq_no, time, fields], got an array of {n} "
+                         f"starting with {_describe(kind)}")
+    return kind
+
+
 # ---- encoding --------------------------------------------------------------------------------
 def _pack(obj: Any) -> bytes:
     """obj packed by a Packer of this thread's pool. Packing a nested record happens while the Packer of

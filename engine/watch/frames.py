@@ -68,6 +68,12 @@ class _Marks:
         self.shown_shift = np.zeros(size, dtype=np.int64)
         self.shown_owner, self.shown_n_seqs = self.owner.copy(), self.n_seqs.copy()
 
+    def shown_as(self, other: _Marks) -> None:
+        """Take what `other` last showed as this stream's previous frame, and compare every cell anew."""
+        self.shown_pos, self.shown_shift = other.shown_pos.copy(), other.shown_shift.copy()
+        self.shown_owner, self.shown_n_seqs = other.shown_owner.copy(), other.shown_n_seqs.copy()
+        self.dirty[:] = True
+
     def take(self, cache: str, stream: int, st: StreamState) -> StreamFrame:
         dirty = np.flatnonzero(self.dirty)
         if dirty.size:
@@ -110,6 +116,16 @@ class FrameSource:
         elif isinstance(event, ev.ContextCreated):
             for key in [k for k in self._marks if k[0] == event.cache]:
                 del self._marks[key]  # a new cache: every cell is new
+
+    def continue_from(self, previous: FrameSource) -> None:
+        """Compare the next frame with the last one `previous` gave, rather than with empty cells: for a view
+        whose mirror was rebuilt instead of moved event by event (a replay that jumped), so that the first
+        frame after the jump marks what the jump changed. A stream `previous` did not show at this size is
+        compared with empty cells, as a new stream always is."""
+        for key, old in previous._marks.items():
+            marks = self._marks_of(*key)
+            if marks is not None and len(marks.shown_pos) == len(old.shown_pos):
+                marks.shown_as(old)
 
     def _marks_of(self, cache: str, stream: int) -> _Marks | None:
         marks = self._marks.get((cache, stream))

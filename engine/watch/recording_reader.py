@@ -16,7 +16,7 @@ from pathlib import Path
 import msgpack
 
 from engine import events as ev
-from engine.watch.codec import CodecError, decode_event
+from engine.watch.codec import CodecError, decode_event, event_kind
 from engine.watch.mirror import CacheMirror
 from engine.watch.recording_format import (
     CHUNK_CACHE,
@@ -75,6 +75,7 @@ class RecordingReader:
             raise
         self._cursor: CacheMirror | None = None
         self.position = -1  # the last event applied to the cursor mirror (seek)
+        self._kinds: tuple[str, ...] | None = None
 
     # ---- the header, the index and the chunk list --------------------------------------------
     def _read_header(self) -> tuple[int, int, dict, int]:
@@ -291,6 +292,22 @@ class RecordingReader:
         """Events start..stop-1 in order (all of them by default)."""
         for _, _, event in self._located(start, self.n_events if stop is None else min(stop, self.n_events)):
             yield event
+
+    def kinds(self) -> tuple[str, ...]:
+        """The kind (class name) of every event, read from its bytes without decoding it, so that a scan for
+        events of some kinds (a replay's jump to the next K-shift) decodes only those. Read once, then kept."""
+        if self._kinds is None:
+            kinds = []
+            with self._lock:
+                for ref in self._event_chunks:
+                    for number in range(ref.count):
+                        try:
+                            kinds.append(event_kind(self._entry_bytes(ref, number)))
+                        except CodecError as e:
+                            raise self._error(ref.offset, f"event {ref.first + number} (entry {number} of this "
+                                                          f"chunk) cannot be read: {e}") from None
+            self._kinds = tuple(kinds)
+        return self._kinds
 
     def _located(self, start: int, stop: int) -> Iterator[tuple[int, ChunkRef, ev.Event]]:
         """(index, chunk, event) for events start..stop-1."""

@@ -80,6 +80,9 @@ def fold(frame: StreamFrame, columns: int) -> Folded:
     """Fold a lane into at most `columns` glyphs (one cell each when it fits)."""
     size = frame.size
     per = max(1, -(-size // max(columns, 1)))  # ceil
+    if per == 1:  # nothing to fold: the frame's own columns
+        return Folded(1, np.arange(size + 1), frame.owner.astype(np.int16, copy=False), (frame.pos >= 0).astype(float),
+                      frame.changed, frame.tentative, frame.shift != 0, min(frame.head, size))
     start = np.arange(0, size + per, per)
     start[-1] = size
     start = np.unique(np.minimum(start, size))
