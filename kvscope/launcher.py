@@ -36,8 +36,10 @@ def run_tui(args: argparse.Namespace, *, demo: bool) -> int:
             steps = plain_frames(source.session, args.plain_steps, sys.stdout)
             print(f"kvscope: {steps} steps shown as text (no terminal); run kvscope in a terminal for the explorer")
             return 0
-        from tui.app import KvscopeApp
-
+        try:
+            from tui.app import KvscopeApp
+        except ImportError as e:
+            raise KvscopeError(f"the terminal explorer needs textual ({e}): pip install -e '.[tui]'") from None
         KvscopeApp(source).run()
         return 0
     finally:

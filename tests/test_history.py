@@ -95,3 +95,22 @@ def test_the_story_of_a_cell_names_token_request_and_cause():
     assert history.explain("kv", 0, 0).endswith("freed by a context shift after step 0; allocated at step 1 for seq 0 "
                                                 "(request 7), token '<12>', pos 2")
     assert history.explain("kv", 0, 7) == "no event touched this cell since the watch began"
+
+
+def test_a_long_run_keeps_its_cause_table_and_jobs_bounded_and_the_stories_right(monkeypatch):
+    """A server names each request and context shift anew, for ever: the history drops the causes and jobs
+    no remembered entry refers to, and what a cell says is unchanged by the dropping."""
+    monkeypatch.setattr(CellHistory, "WHY_COMPACT_AT", 16)
+    monkeypatch.setattr(CellHistory, "KEPT_REQUESTS", 4)
+    ctx = engine.Context(in_memory_model(), n_ctx=16, pad=8, n_seq_max=1)
+    history, sub = CellHistory(depth=2), ctx.bus.subscribe()
+    for r in range(60):
+        ctx.bus.publish(ev.SequenceAssigned(0, f"request {r}", "", 1))
+        with ctx.bus.cause(f"the reset for request {r}"):
+            ctx.memory.seq_rm(0, -1, -1)
+        assert ctx.decode(Batch([9 + r % 5, 10], [0, 1], [[0], [0]])) == 0
+        for event in sub.drain():
+            history.apply(event)
+    assert len(history._why) <= 16 and len(history.requests[0]) <= 8
+    assert history.explain("kv", 0, 0) == ("freed by the reset for request 59 after step 58; allocated at step 59 "
+                                           "for seq 0 (request 59), token #13, pos 0")

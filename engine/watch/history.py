@@ -138,6 +138,9 @@ def _seq_and_amount(event: ev.CellsChanged) -> tuple[int, int]:
 class CellHistory:
     """The last `depth` events of every cell of every cache, built from events only."""
 
+    KEPT_REQUESTS = 256  # per sequence; a cell's ring of `depth` entries rarely spans more jobs than this
+    WHY_COMPACT_AT = 4096  # interned cause texts that trigger dropping those no cell refers to any more
+
     def __init__(self, depth: int = 8) -> None:
         self.depth = depth
         self.step = -1  # the current decode step (DecodeStarted.step)
@@ -161,7 +164,10 @@ class CellHistory:
         elif isinstance(event, ev.Vocabulary):
             self.pieces = event.pieces
         elif isinstance(event, ev.SequenceAssigned):
-            self.requests.setdefault(event.seq_id, []).append((event.seq_no, event.request))
+            jobs = self.requests.setdefault(event.seq_id, [])
+            jobs.append((event.seq_no, event.request))
+            if len(jobs) > 2 * self.KEPT_REQUESTS:  # a server reuses a sequence for ever: keep the recent jobs
+                del jobs[:-self.KEPT_REQUESTS]
 
     def _apply_cells(self, event: ev.CellsChanged) -> None:
         kind = _kind_of(event)
@@ -172,9 +178,26 @@ class CellHistory:
 
     def _intern(self, text: str) -> int:
         if text not in self._why_index:
+            if len(self._why) >= self.WHY_COMPACT_AT:
+                self._compact_why()
             self._why_index[text] = len(self._why)
             self._why.append(text)
         return self._why_index[text]
+
+    def _compact_why(self) -> None:
+        """Causes name requests and steps, so a long run makes new ones for ever; only those still in
+        some cell's ring are kept, and the columns renumbered to match."""
+        for columns in self._caches.values():
+            columns.flush()
+        refs = [c.data[..., 7].ravel() for c in self._caches.values()]
+        used = np.unique(np.concatenate(refs)) if refs else np.empty(0, dtype=np.int32)
+        used = used[used >= 0]
+        renumber = np.full(len(self._why) + 1, -1, dtype=np.int32)  # index -1 reads the last slot: stays -1
+        renumber[used] = np.arange(len(used), dtype=np.int32)
+        for columns in self._caches.values():
+            columns.data[..., 7] = renumber[columns.data[..., 7]]
+        self._why = [self._why[i] for i in used.tolist()]
+        self._why_index = {text: i for i, text in enumerate(self._why)}
 
     # ---- reading ------------------------------------------------------------------------------
     def entries(self, cache: str, stream: int, cell: int) -> list[HistoryEntry]:
