@@ -250,6 +250,18 @@ def _add_parallel_flags(par: argparse.ArgumentParser) -> None:
     par.add_argument("--no-pps", dest="pps", action="store_false",
                      help="do not share the system prompt: every request decodes it in its own sequence")
     par.add_argument("--steps", action="store_true", help="print one line per step (batch, decodes, cache use)")
+    _add_slot_flags(par)
+
+
+def _add_slot_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--slot-ctx", type=int, default=0, metavar="N",
+                   help="each client's own context in positions, as llama-server's slots (0: none but the "
+                        "cache's); a client that fills it stops, or shifts with --context-shift")
+    p.add_argument("--context-shift", action="store_true",
+                   help="when a client fills its --slot-ctx, discard half of its positions after --keep "
+                        "and go on (llama-server's context shift)")
+    p.add_argument("--keep", type=int, default=0,
+                   help="positions kept on a context shift (-1: the whole prompt, system prompt included)")
 
 
 SERVE_HELP = "run a session (a model, a context, a workload) and serve it to RemoteSession clients over ZeroMQ"
@@ -290,8 +302,13 @@ def _add_session_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--n-predict", type=int, default=64,
                    help="tokens per prompt (-1: until end of generation); parallel: the most a request may generate")
     p.add_argument("--context-shift", action="store_true",
-                   help="generate: when a sequence's context is full, discard half of it after --keep tokens and go on")
-    p.add_argument("--keep", type=int, default=0, help="generate: tokens of the prompt kept on a context shift")
+                   help="generate: when a sequence's context is full, discard half of it after --keep tokens and go "
+                        "on; parallel: the same when a client fills its --slot-ctx")
+    p.add_argument("--keep", type=int, default=0,
+                   help="tokens of the prompt kept on a context shift (-1: the whole prompt)")
+    p.add_argument("--slot-ctx", type=int, default=0, metavar="N",
+                   help="parallel: each client's own context in positions, as llama-server's slots (0: none but the "
+                        "cache's)")
     p.add_argument("-ns", "--sequences", type=int, default=16, help="parallel: requests of the simulated stream")
     p.add_argument("--arrival-gap", type=int, default=2, help="parallel: mean number of steps between two arrivals")
     p.add_argument("--system-prompt", default=None, help="parallel: the shared system prompt (default: a built-in one)")
@@ -417,7 +434,8 @@ def cmd_parallel(args: argparse.Namespace, bus=None) -> int:
     _hint_kv_cache_debug(args.verbose)
     model, load_ms = _load_model(args)
     ctx = engine.Context(model, bus=bus, **settings)
-    runner = ParallelRunner(ctx, args.parallel, params, system_prompt=system_prompt, share_system_prompt=args.pps)
+    runner = ParallelRunner(ctx, args.parallel, params, system_prompt=system_prompt, share_system_prompt=args.pps,
+                            n_ctx_slot=args.slot_ctx, context_shift=args.context_shift, n_keep=args.keep)
     log.info("sampler seed: %d", runner.seed)
     for info in runner.steps(requests):
         if args.steps:
@@ -612,7 +630,7 @@ def _served_workload(args: argparse.Namespace):
     return WorkloadSpec(kind=args.workload, n_predict=args.n_predict, n_clients=args.parallel,
                         n_sequences=args.sequences, arrival_gap=args.arrival_gap, schedule_seed=args.seed,
                         system_prompt=system_prompt, share_system_prompt=args.pps, context_shift=args.context_shift,
-                        n_keep=args.keep, sampler=_sampler_params(args))
+                        n_keep=args.keep, n_ctx_slot=args.slot_ctx, sampler=_sampler_params(args))
 
 
 def _print_serve_banner(server, session) -> None:

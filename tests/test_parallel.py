@@ -248,3 +248,74 @@ def test_an_open_run_serves_submitted_requests_and_keeps_the_latest_results(mode
         if next(steps).phase == "idle":
             break
     assert [r.request.id for r in runner.results] == [3, 4, 5] and all(r.ok for r in runner.results)
+
+
+def _slot_positions(ctx, seq_id: int) -> list[int]:
+    return sorted(p for p, seqs, _ in ctx.memory.cells(0) if seq_id in seqs)
+
+
+def test_a_client_that_fills_its_slot_is_context_shifted_as_llama_server_does(model):
+    """Slots of 40 positions, prompts kept (n_keep -1): before a client's next token would reach the end of
+    its slot, half of its answer is discarded (seq_rm) and the rest moved down (seq_add), so its positions
+    stay 0..n_past-1, each once, and never reach the slot's end; the shift's numbers are llama-server's."""
+    ctx = new_ctx(model, 2, n_ctx=128)
+    runner = ParallelRunner(ctx, 2, GREEDY, system_prompt=SYSTEM, n_ctx_slot=40, context_shift=True, n_keep=-1)
+    sub = ctx.bus.subscribe(kinds=(ev.CellsRemoved,))
+    requests = [Request(0, "Why?", 50), Request(1, "How?", 50, arrival_step=3)]
+    for _ in runner.steps(requests):
+        for c in runner.clients:
+            if c.state == "generating":
+                assert _slot_positions(ctx, c.seq_id) == list(range(c.n_past)) and c.n_past < 40
+    results = sorted(runner.results, key=lambda r: r.request.id)
+    assert all(r.ok and r.n_decoded == 50 for r in results)
+    assert all(r.context_shifts >= 2 for r in results) and runner.n_shifts == sum(r.context_shifts for r in results)
+    shifts = [e for e in sub.drain() if e.cause.startswith("context shift of seq")]
+    assert len(shifts) == runner.n_shifts
+    first = {r.seq_id: r for r in results}
+    for e in shifts:
+        r = first[e.seq_id]
+        n_keep = r.n_past_start + r.n_prompt  # -1: the whole prompt, the shared system prompt included
+        n_discard = (40 - 1 - n_keep) // 2  # llama-server: n_past + 1 >= n_ctx, n_discard = (n_past - n_keep) / 2
+        assert e.cause == f"context shift of seq {e.seq_id}: n_keep = {n_keep}, n_discard = {n_discard}"
+    assert ctx.memory.used(0) == len(runner.system_tokens)  # every answer's cells went with its request
+
+
+def test_a_shifted_client_generates_what_a_context_shifting_generator_does(model):
+    """One client whose slot is the whole context, its prompt decoded in its own sequence: the parallel
+    runner's context shift and llama-completion's (Generator, context_shift) give the same tokens."""
+    from engine.runners.generate import Generator
+
+    ctx = new_ctx(model, 1, n_ctx=64)
+    runner = ParallelRunner(ctx, 1, GREEDY, system_prompt=SYSTEM, share_system_prompt=False, n_ctx_slot=64,
+                            context_shift=True, n_keep=-1)
+    (result,) = runner.run(requests=[Request(0, "Why is the sky blue?", 90)])
+    assert result.context_shifts >= 2
+    alone = Generator(new_ctx(model, 0, n_ctx=64, n_seq_max=1), GREEDY, context_shift=True, n_keep=-1)
+    expected = alone.generate(result.prompt_tokens, 90)
+    assert len(expected.context_shifts) == result.context_shifts
+    assert result.tokens == expected.tokens
+
+
+def test_without_context_shift_a_client_stops_at_its_slots_end_and_a_long_prompt_is_refused(model):
+    ctx = new_ctx(model, 2, n_ctx=128)
+    runner = ParallelRunner(ctx, 2, GREEDY, system_prompt=SYSTEM, n_ctx_slot=40)
+    long_question = "Tell me " * 20
+    results = runner.run(requests=[Request(0, "Why?", 50), Request(1, long_question, 5)])
+    stopped, refused = results
+    assert stopped.stop_reason == "limit" and stopped.ok
+    # every position of the slot decoded (its last sampled token never is)
+    assert stopped.n_past_start + stopped.n_prompt + stopped.n_decoded - 1 == 40
+    assert refused.stop_reason == "error" and "exceeds the available context size" in refused.error
+    assert refused.n_decoded == 0 and runner.n_shifts == 0
+
+
+def test_slot_settings_are_checked(model, caplog):
+    with pytest.raises(KvscopeError, match="n_ctx_slot must be in 0..128"):
+        ParallelRunner(new_ctx(model, 2, n_ctx=128), 2, GREEDY, n_ctx_slot=129)
+    with pytest.raises(KvscopeError, match="give n_ctx_slot with context_shift"):
+        ParallelRunner(new_ctx(model, 2, n_ctx=128), 2, GREEDY, context_shift=True)
+    # an SWA cache smaller than the base cache cannot shift (llama.cpp: get_can_shift compares the sizes)
+    swa = engine.Context(engine.load_model("demo"), n_ctx=1024, n_seq_max=3, kv_unified=True)
+    with caplog.at_level(logging.WARNING, logger="kvscope"):
+        runner = ParallelRunner(swa, 2, GREEDY, n_ctx_slot=100, context_shift=True)
+    assert not runner.context_shift and "does not support context shift" in caplog.text

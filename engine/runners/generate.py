@@ -81,11 +81,12 @@ def resolve_n_keep(n_keep: int, n_prompt: int, add_bos: bool) -> int:
     return n_keep + int(add_bos)
 
 
-def context_shift(ctx: Context, seq_id: int, n_past: int, n_keep: int) -> ContextShift | None:
+def context_shift(ctx: Context, seq_id: int, n_past: int, n_keep: int, n_ctx: int | None = None) -> ContextShift | None:
     """Discard half of the positions after n_keep of one sequence, as llama-completion does:
     n_left = n_past - n_keep, n_discard = n_left / 2, seq_rm(seq, n_keep, n_keep + n_discard),
     seq_add(seq, n_keep + n_discard, n_past, -n_discard). The K-shift runs at the next decode.
-    Returns None (and changes nothing) when there is nothing to discard."""
+    Returns None (and changes nothing) when there is nothing to discard. n_ctx: the sequence's context
+    for the log line (default n_ctx_seq; a server slot's own context otherwise)."""
     n_left = n_past - n_keep
     n_discard = int(n_left / 2)  # C integer division (truncates towards zero)
     if n_discard <= 0:
@@ -93,7 +94,7 @@ def context_shift(ctx: Context, seq_id: int, n_past: int, n_keep: int) -> Contex
     # llama-completion's line (it logs it at debug level; kvscope makes it a warning). n_ctx there is
     # the single sequence's context, i.e. n_ctx_seq here.
     log.warning("context full, swapping: n_past = %d, n_left = %d, n_ctx = %d, n_keep = %d, n_discard = %d",
-                n_past, n_left, ctx.params.n_ctx_seq, n_keep, n_discard)
+                n_past, n_left, ctx.params.n_ctx_seq if n_ctx is None else n_ctx, n_keep, n_discard)
     with ctx.bus.cause(f"context shift of seq {seq_id}: n_keep = {n_keep}, n_discard = {n_discard}"):
         ctx.memory.seq_rm(seq_id, n_keep, n_keep + n_discard)
         ctx.memory.seq_add(seq_id, n_keep + n_discard, n_past, -n_discard)

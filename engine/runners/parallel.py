@@ -28,6 +28,14 @@ What it does to the cache, step by step (examples/parallel/parallel.cpp, with th
   (aborted) stops the run; other failures drop the requests of the failed piece.
 - A request ends on an end-of-generation token ("eog"), after n_predict tokens ("length"), or when
   its text contains the reverse prompt "User:" ("stop_word", text cut there), as llama-parallel.
+- A slot's own context (`n_ctx_slot`, off by default as in llama-parallel; llama-server's per-slot
+  n_ctx): a generating client whose next token would reach it (n_past + 1 >= n_ctx_slot) is shifted
+  with llama-server's context shift when `context_shift` is on (the first n_keep positions kept,
+  n_keep < 0: the whole prompt, system prompt included; half of the rest discarded with seq_rm, the tail
+  moved down with seq_add; the K-shift re-rotates the keys at the next decode), else it stops with
+  "limit" once n_past reaches it, as llama-server's "stopped due to running out of context capacity".
+  Slots may together claim more than the cache holds, as a server's do: then slot searches fail and the
+  batch is split as above.
 
 Sampling: each request gets a fresh `Sampler` with the run's seed (llama.cpp's per-client sampler,
 reset — and reseeded — per request), so a request's tokens do not depend on what runs beside it.
@@ -46,6 +54,7 @@ from engine import events as ev
 from engine.batch import Batch
 from engine.context import Context
 from engine.errors import KvscopeError
+from engine.runners.generate import context_shift, resolve_n_keep
 from engine.runners.parallel_records import (
     ClientState,
     DecodeCall,
@@ -98,9 +107,12 @@ class ParallelRunner:
     """
 
     def __init__(self, ctx: Context, n_clients: int, params: SamplerParams | None = None, *,
-                 system_prompt: str = DEFAULT_SYSTEM_PROMPT, share_system_prompt: bool = True) -> None:
+                 system_prompt: str = DEFAULT_SYSTEM_PROMPT, share_system_prompt: bool = True,
+                 n_ctx_slot: int = 0, context_shift: bool = False, n_keep: int = 0) -> None:
         """share_system_prompt: decode the system prompt once into sequence 0 and copy it (llama-parallel's
-        -pps); False: every request decodes it itself, in its own sequence (same tokens)."""
+        -pps); False: every request decodes it itself, in its own sequence (same tokens).
+        n_ctx_slot: each client's context in positions (0: none but the cache's); context_shift, n_keep:
+        what happens when a client fills it (see the module docstring)."""
         if ctx.model.tokenizer is None:
             raise KvscopeError("this model has no tokenizer; the parallel workload needs one")
         if n_clients < 1:
@@ -110,9 +122,21 @@ class ParallelRunner:
                 f"{n_clients} clients use sequences 1..{n_clients} and sequence 0 holds the system prompt, so the "
                 f"context needs n_seq_max >= {n_clients + 1} (it has {ctx.n_seq_max}); llama-parallel sets "
                 f"n_parallel + 1 itself")
+        if n_ctx_slot < 0 or n_ctx_slot > ctx.params.n_ctx_seq:
+            raise KvscopeError(f"n_ctx_slot must be in 0..{ctx.params.n_ctx_seq} (the context of a sequence), got "
+                               f"{n_ctx_slot}")
+        if context_shift and not n_ctx_slot:
+            raise KvscopeError("the parallel workload shifts a client when it fills its slot's context: give "
+                               "n_ctx_slot with context_shift")
+        if context_shift and not ctx.memory.can_shift():  # llama-server switches it off the same way
+            log.warning("the context does not support context shift (iSWA without swa_full, or M-RoPE); "
+                        "disabling it")
+            context_shift = False
         self.ctx = ctx
         self.tokenizer = ctx.model.tokenizer
         self.n_clients = n_clients
+        self.n_ctx_slot, self.context_shift, self.n_keep = n_ctx_slot, context_shift, n_keep
+        self.n_shifts = 0
         params = params or SamplerParams()
         self.seed = params.seed if params.seed is not None else secrets.randbits(64)
         self.params = SamplerParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
@@ -257,10 +281,12 @@ class ParallelRunner:
                                  time.perf_counter())
                 continue
             t0 = time.perf_counter()
-            admitted = self._admit(waiting, step)
+            finished: list[RequestResult] = []
+            admitted = self._admit(waiting, step, finished)
+            if self.n_ctx_slot:
+                self._fit_slots(step, finished)
             entries = self._build_batch()
             n_tokens, n_gen = len(entries), sum(1 for e in entries if e[4] == "gen")
-            finished: list[RequestResult] = []
             sampled: list[tuple[int, int, int, str]] = []
             calls: list[DecodeCall] = []
             rc, min_batch, misses = self._decode_batch(entries, step, finished, sampled, calls)
@@ -277,7 +303,7 @@ class ParallelRunner:
             if rc == 2:
                 return
 
-    def _admit(self, waiting: list[Request], step: int) -> tuple[tuple[int, int], ...]:
+    def _admit(self, waiting: list[Request], step: int, finished: list[RequestResult]) -> tuple[tuple[int, int], ...]:
         admitted = []
         for c in self.clients:
             if c.state != "idle" or not waiting:
@@ -300,9 +326,35 @@ class ParallelRunner:
             c.sampler = Sampler(self.params)  # a fresh sampler: reset and reseeded, as common_sampler_reset
             c.decoder = self.tokenizer.stream(context_ids=prompt)
             admitted.append((req.id, c.index))
+            if self.n_ctx_slot and n_past + len(prompt) >= self.n_ctx_slot:  # llama-server refuses it too
+                c.result.stop_reason = "error"
+                c.result.error = (f"the request exceeds the available context size: {n_past + len(prompt)} "
+                                  f"positions, the slot has {self.n_ctx_slot}")
+                finished.append(self._release(c, step))
+                continue
             log.info("Client %3d, seq %4d, junk = %4d, prompt = %d, started decoding ...", c.index, req.id, 0,
                      len(prompt))
         return tuple(admitted)
+
+    def _fit_slots(self, step: int, finished: list[RequestResult]) -> None:
+        """llama-server before it builds a batch: a generating client whose next token would fill its
+        slot's context is shifted (context_shift) or, without it, stops at the slot's end."""
+        for c in self.clients:
+            if c.state != "generating" or c.n_past + 1 < self.n_ctx_slot:
+                continue
+            r = c.result
+            n_keep = resolve_n_keep(self.n_keep, r.n_past_start + r.n_prompt, bool(self.tokenizer.add_bos))
+            shift = context_shift(self.ctx, c.seq_id, c.n_past, n_keep, self.n_ctx_slot) if self.context_shift \
+                else None
+            if shift is not None:
+                c.n_past -= shift.n_discard
+                r.context_shifts += 1
+                self.n_shifts += 1
+            elif c.n_past >= self.n_ctx_slot or self.context_shift:  # nothing left to discard after n_keep
+                log.warning("Client %3d, seq %4d: stopped, the slot's context of %d is full (n_past = %d)",
+                            c.index, r.request.id, self.n_ctx_slot, c.n_past)
+                r.stop_reason = "limit"
+                finished.append(self._release(c, step))
 
     def _build_batch(self) -> list[tuple[int, int, int, bool, str]]:
         """(client, token, pos, output, kind) per batch token: generating clients first, then prompt

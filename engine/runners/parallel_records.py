@@ -18,7 +18,7 @@ class RequestResult:
     n_past_start: int  # position of its first prompt token
     tokens: list[int] = field(default_factory=list)  # sampled tokens (an eog token included)
     text: str = ""
-    stop_reason: str = ""  # "eog", "length", "stop_word", "error", "aborted"
+    stop_reason: str = ""  # "eog", "length", "stop_word", "limit" (the slot's context), "error", "aborted"
     error: str = ""
     admitted_step: int = -1
     finished_step: int = -1
@@ -26,10 +26,11 @@ class RequestResult:
     t_first_token: float = 0.0
     t_finished: float = 0.0
     cache_misses: int = 0  # halvings of n_batch while this request was in a batch
+    context_shifts: int = 0  # shifts of its sequence when it filled its slot's context
 
     @property
     def ok(self) -> bool:
-        return self.stop_reason in ("eog", "length", "stop_word")
+        return self.stop_reason in ("eog", "length", "stop_word", "limit")
 
     @property
     def n_prompt(self) -> int:

@@ -41,8 +41,9 @@ class WorkloadSpec:
     schedule_seed: int | None = None
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     share_system_prompt: bool = True
-    context_shift: bool = False
+    context_shift: bool = False  # generate: when a sequence fills its context; parallel: its slot's
     n_keep: int = 0
+    n_ctx_slot: int = 0  # parallel: each client's own context (llama-server's slots), 0: none
     sampler: SamplerParams = field(default_factory=SamplerParams)  # or a dict of its fields
 
     def __post_init__(self) -> None:
@@ -140,7 +141,8 @@ class ParallelWorkload:
     def __init__(self, spec: WorkloadSpec, ctx: Context) -> None:
         self.spec = spec
         self.runner = ParallelRunner(ctx, spec.n_clients, spec.sampler, system_prompt=spec.system_prompt,
-                                     share_system_prompt=spec.share_system_prompt)
+                                     share_system_prompt=spec.share_system_prompt, n_ctx_slot=spec.n_ctx_slot,
+                                     context_shift=spec.context_shift, n_keep=spec.n_keep)
         schedule = make_schedule(spec.n_sequences, seed=spec.schedule_seed, n_predict=max(spec.n_predict, 1),
                                  arrival_gap=spec.arrival_gap)
         self._steps = self.runner.steps(schedule, keep_open=True)
