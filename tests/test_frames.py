@@ -75,3 +75,16 @@ def test_a_frame_copies_the_columns():
     ctx.memory.seq_rm(0, -1, -1)
     watcher.poll()
     assert first.stream("kv").used == 2 and watcher.frame().stream("kv").used == 0
+
+
+def test_a_frame_after_several_decodes_marks_the_slot_search_of_the_last_one():
+    """A slow view (or a replay's jump) takes one frame over many decodes: its tentative cells are the dry run
+    of the latest decode, not of all of them, which would mark nearly every cell."""
+    ctx = engine.Context(in_memory_model(), n_ctx=32, pad=8, n_seq_max=1)
+    watcher = Watcher.of(_Source(ctx))
+    watcher.poll()
+    watcher.frame()
+    for pos in range(5):
+        assert ctx.decode(Batch([5 + pos], [pos], [[0]])) == 0
+    tentative = assert_frame_is_the_engine(watcher, ctx).stream("kv", 0).tentative
+    assert np.flatnonzero(tentative).tolist() == [4]  # the last token's cell, tried first by its dry run

@@ -259,8 +259,11 @@ def differs(a: Frame, b: Frame, cache: str, stream: int) -> np.ndarray:
 
 
 def tentative_cells(events: list[ev.Event], cache: str, stream: int, size: int) -> np.ndarray:
+    """Cells the dry run of the last decode among `events` touched (a frame shows that decode's slot search)."""
     marked = np.zeros(size, dtype=bool)
     for event in events:
+        if isinstance(event, ev.DecodeStarted):
+            marked[:] = False
         if isinstance(event, ev.CellsChanged) and event.tentative and event.cache == cache:
             for change in event.changes:
                 if change.stream == stream:

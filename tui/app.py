@@ -49,7 +49,10 @@ class KvscopeApp(App):
     #title { height: 1; background: $primary-darken-2; color: $text; padding: 0 1; }
     #side { width: 48; }
     #main { height: 1fr; }
+    Screen.-narrow #side { width: 32; }
+    Screen.-narrow EventLog { height: 6; }
     """
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]  # 80 columns: the grid keeps 32 cells a row
     BINDINGS = [
         Binding("space", "toggle_run", "start/pause"),
         Binding("n", "step", "step"),
@@ -219,8 +222,10 @@ class KvscopeApp(App):
     def _lane_titles(self) -> dict[str, str]:
         titles = {}
         for name, c in self.watcher.mirror.created.items():
-            window = f"window {c.n_swa}" if c.n_swa else "full attention"
-            titles[name] = f"{name} · {window} · {len(c.layer_ids)} layers · {c.type_k}/{c.type_v}"
+            window = f"window {c.n_swa}" if c.n_swa else "full"
+            n = len(c.layer_ids)
+            types = c.type_k if c.type_k == c.type_v else f"{c.type_k}/{c.type_v}"
+            titles[name] = f"{name} · {window} · {n} layer{'s' if n != 1 else ''} · {types}"
         return titles
 
     def _visibility(self):

@@ -106,7 +106,7 @@ class CellGrid(ScrollView, can_focus=True):
 
     def _lane_title(self, sf: StreamFrame, folded: style.Folded) -> str:
         fold = f" · {folded.cells_per_glyph} cells per glyph" if folded.cells_per_glyph > 1 else ""
-        return f"{self._titles.get(sf.cache, sf.cache)} · s{sf.stream} · {sf.used}/{sf.size} used · head {sf.head}{fold}"
+        return f"{self._titles.get(sf.cache, sf.cache)} · s{sf.stream} · {sf.used}/{sf.size} · head {sf.head}{fold}"
 
     def on_resize(self) -> None:
         self._layout()

@@ -45,10 +45,13 @@ class CellInspector(Static):
             shift = int(st.shift[first])
             if shift:
                 text.append(f" · pending shift {shift:+d}", style="bold")
-        text.append("\n")
-        text.append(history.explain(cache, stream, first), style="italic")
         if seen is not None and cache in seen.caches:
             text.append("\n" + seen.caches[cache].describe(), style="dim")
+        lines = history.lines(cache, stream, first)
+        if not lines:
+            text.append("\nno event touched this cell since the watch began", style="dim italic")
+        for k, line in enumerate(lines):  # newest first: a short box still shows what happened last
+            text.append("\n" + ("▸ " if k == 0 else "  ") + line, style="italic" if k == 0 else "dim italic")
         self.update(text)
 
 

@@ -259,7 +259,7 @@ class ParallelRunner:
             if rc != 0:
                 raise KvscopeError(f"failed to decode the system prompt (decode returned {rc}: "
                                    f"{self.ctx.last_error}); increase the context size")
-        with self.ctx.bus.cause("system prompt shared"):
+        with self.ctx.bus.cause("copying the system prompt"):
             for c in self.clients:  # assign the system prompt's cells to every client
                 self.ctx.memory.seq_cp(0, c.seq_id, -1, -1)
         return self._info(0, "system", (), (), len(toks), len(toks), 0, calls, 0, n_batch, 0, (), [], [], t0)
@@ -314,7 +314,7 @@ class ParallelRunner:
                 prompt, n_past = own, len(self.system_tokens)
             else:
                 prompt, n_past = self.system_tokens + own, 0
-                with self.ctx.bus.cause(f"request {req.id} admitted"):
+                with self.ctx.bus.cause(f"the start of request {req.id}"):
                     self.ctx.memory.seq_rm(c.seq_id, -1, -1)
             if self.ctx.bus.active:
                 self.ctx.bus.publish(ev.SequenceAssigned(c.seq_id, f"client {c.index}, request {req.id}",
@@ -463,7 +463,7 @@ class ParallelRunner:
             tail = c.decoder.flush()
             r.text += tail
         r.finished_step, r.t_finished = step, time.perf_counter()
-        with self.ctx.bus.cause(f"request {r.request.id} finished ({r.stop_reason})"):
+        with self.ctx.bus.cause(f"the end of request {r.request.id} ({r.stop_reason})"):
             self.ctx.memory.seq_rm(c.seq_id, -1, -1)
             if self.share_system_prompt:
                 self.ctx.memory.seq_cp(0, c.seq_id, -1, -1)

@@ -29,7 +29,7 @@ class StreamFrame:
     n_seqs: np.ndarray  # int16: sequences in the cell
     shift: np.ndarray  # int64: pending K-shift
     changed: np.ndarray  # bool: different from the previous frame, or changed and changed back since
-    tentative: np.ndarray  # bool: touched by a dry run (a decode's slot search) since the previous frame
+    tentative: np.ndarray  # bool: touched by the dry run (slot search) of the last decode since the previous frame
     head: int
 
     @property
@@ -113,6 +113,11 @@ class FrameSource:
                     marks.dirty[change.cells] = True
                     if event.tentative:
                         marks.tentative[change.cells] = True
+        elif isinstance(event, ev.DecodeStarted):
+            # a frame shows the slot search of the latest decode: over many steps (a slow view, a replay's
+            # jump) the searches of all of them would mark nearly every cell
+            for marks in self._marks.values():
+                marks.tentative[:] = False
         elif isinstance(event, ev.ContextCreated):
             for key in [k for k in self._marks if k[0] == event.cache]:
                 del self._marks[key]  # a new cache: every cell is new

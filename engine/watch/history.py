@@ -215,6 +215,24 @@ class CellHistory:
             return "no event touched this cell since the watch began"
         return "; ".join(self._describe(e) for e in entries)
 
+    def lines(self, cache: str, stream: int, cell: int) -> list[str]:
+        """The cell's remembered events, newest first, one line each (what a view shows when it has little
+        room: the latest first). Copies of the cell to several sequences by one operation are one line."""
+        groups: list[list[HistoryEntry]] = []
+        for e in self.entries(cache, stream, cell):
+            last = groups[-1][-1] if groups else None
+            if last is not None and e.kind == last.kind == SHARED and (e.why, e.step, e.in_decode) == \
+                    (last.why, last.step, last.in_decode):
+                groups[-1].append(e)
+            else:
+                groups.append([e])
+        return [self._describe(g[0]) if len(g) == 1 else self._describe_shared(g) for g in reversed(groups)]
+
+    def _describe_shared(self, group: list[HistoryEntry]) -> str:
+        e = group[0]
+        seqs = ", ".join(str(g.seq) for g in group)
+        return self._describe(e).replace(f"shared with seq {e.seq}", f"shared with seqs {seqs}", 1)
+
     def _describe(self, e: HistoryEntry) -> str:
         when = (f"at step {e.step}" if e.in_decode else f"after step {e.step}") if e.step >= 0 else \
             "before the first decode"

@@ -33,8 +33,9 @@ entries carry are taken from the events before the keyframe, found through the r
 (RecordingReader.kinds) without replaying them.
 
 Frames. A frame marks as changed the cells that differ from the previous frame the watcher gave, across
-rebuilds too, so that a view highlights what a jump changed. Tentative cells are those a dry run touched
-among the events applied since the previous frame; after a rebuild, those of the target event alone.
+rebuilds too, so that a view highlights what a jump changed. Tentative cells are those the dry run of the
+last decode among the events applied since the previous frame touched; after a rebuild, those of the
+target event alone.
 
 For a view. The replay applies events when it moves, so the watcher's poll() finds none: redraw after a
 move, and take the event log from `watcher.recent` (after a rebuild, `rebuilds` has grown and `recent`

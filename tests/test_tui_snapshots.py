@@ -1,0 +1,79 @@
+"""Snapshots of the explorer's main screens at 80x24 and 160x48 (pytest-textual-snapshot).
+
+The screens show a replay of the demo workload, greedy, with its wall times zeroed, so that what is drawn
+depends on the cache's behaviour only. After a change to what the explorer draws, look at the new
+screens (pytest --snapshot-report) and accept them with --snapshot-update."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from engine import events as ev
+from engine.runners.session import Session
+from engine.sampling import SamplerParams
+from engine.watch.recorder import Recorder
+from engine.watch.recording import RecordingReader
+from engine.watch.replay import Replay
+from tui.app import KvscopeApp
+from tui.demo import DEMO_SETTINGS, DEMO_WORKLOAD
+from tui.sources import Source
+
+STEPS = 48  # past the demo's first failed slot search and first context shift
+TIMED = {"time": 0.0, "ms": 0.0, "ms_total": 0.0}
+
+
+def without_wall_times(event: ev.Event) -> ev.Event:
+    fields = {f.name for f in dataclasses.fields(event)}
+    changes = {k: v for k, v in TIMED.items() if k in fields}
+    if "ms_per_ubatch" in fields:
+        changes["ms_per_ubatch"] = tuple(0.0 for _ in event.ms_per_ubatch)
+    return dataclasses.replace(event, **changes)
+
+
+@pytest.fixture(scope="module")
+def demo_recording(tmp_path_factory):
+    """The demo workload's first steps, greedy, as a recording without wall times."""
+    path = tmp_path_factory.mktemp("snap") / "demo.kvtrace"
+    workload = dataclasses.replace(DEMO_WORKLOAD, sampler=SamplerParams(temperature=0.0, seed=1))
+    with Session("demo", settings=DEMO_SETTINGS, workload=workload, threaded=False) as session:
+        subscription = session.subscribe(maxsize=1 << 20)
+        events = session.current_state()
+        session.step(STEPS).result()
+        events += subscription.drain()
+    kinds = {type(e).__name__ for e in events}
+    assert {"SlotSearchFailed", "KShiftApplied"} <= kinds, "the demo no longer shows what the screens are meant to"
+    with Recorder(path, keyframe_every=500) as recorder:
+        for event in events:
+            recorder.write(without_wall_times(event))
+    return path
+
+
+def replay_app(path) -> KvscopeApp:
+    return KvscopeApp(Source("replay", replay=Replay(RecordingReader(path)), label="demo.kvtrace"))
+
+
+async def at_the_end(pilot) -> None:
+    await pilot.press("end")
+    await pilot.pause()
+    pilot.app.refresh_view()
+    await pilot.pause()
+
+
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)])
+def test_main_screen(snap_compare, demo_recording, size):
+    assert snap_compare(replay_app(demo_recording), terminal_size=size, run_before=at_the_end)
+
+
+def test_main_screen_with_the_cursor_on_a_shifted_cell(snap_compare, demo_recording):
+    async def on_a_cell(pilot) -> None:
+        await at_the_end(pilot)
+        await pilot.press("tab", "right", "right", "down")
+        pilot.app.refresh_view()
+        await pilot.pause()
+
+    assert snap_compare(replay_app(demo_recording), terminal_size=(160, 48), run_before=on_a_cell)
+
+
+def test_help_screen(snap_compare, demo_recording):
+    assert snap_compare(replay_app(demo_recording), terminal_size=(80, 24), press=["question_mark"])
