@@ -89,10 +89,10 @@ def test_the_story_of_a_cell_names_token_request_and_cause():
     assert ctx.decode(Batch([12], [2], [[0]])) == 0
     for event in sub.drain():
         history.apply(event)
-    assert history.explain("kv", 0, 1) == ("allocated at step 0 for seq 0 (request 7), token '<10>', pos 1; shifted -1 "
-                                           "to pos 0 by a context shift after step 0; keys re-rotated by -1 (K-shift) "
-                                           "at step 1")
-    assert history.explain("kv", 0, 0).endswith("freed by a context shift after step 0; allocated at step 1 for seq 0 "
+    assert history.explain("kv", 0, 1) == ("allocated in decode 0 for seq 0 (request 7), token '<10>', pos 1; shifted -1 "
+                                           "to pos 0 by a context shift after decode 0; keys re-rotated by -1 (K-shift) "
+                                           "in decode 1")
+    assert history.explain("kv", 0, 0).endswith("freed by a context shift after decode 0; allocated in decode 1 for seq 0 "
                                                 "(request 7), token '<12>', pos 2")
     assert history.explain("kv", 0, 7) == "no event touched this cell since the watch began"
 
@@ -112,5 +112,5 @@ def test_a_long_run_keeps_its_cause_table_and_jobs_bounded_and_the_stories_right
         for event in sub.drain():
             history.apply(event)
     assert len(history._why) <= 16 and len(history.requests[0]) <= 8
-    assert history.explain("kv", 0, 0) == ("freed by the reset for request 59 after step 58; allocated at step 59 "
+    assert history.explain("kv", 0, 0) == ("freed by the reset for request 59 after decode 58; allocated in decode 59 "
                                            "for seq 0 (request 59), token #13, pos 0")

@@ -168,7 +168,7 @@ def test_context_shift_command_moves_a_generating_sequence(demo):
         assert session.ctx.memory.seq_pos_max(0) == before - 10 + 5
         assert_watch_equals_engine(watcher, session)
         story = watcher.history.explain("base", 0, 20)
-        assert story.startswith("allocated at step ") and "shifted -10 to pos 10 by context shift of seq 0" in story
+        assert story.startswith("allocated in decode ") and "shifted -10 to pos 10 by context shift of seq 0" in story
         assert "keys re-rotated by -10 (K-shift)" in story
 
 

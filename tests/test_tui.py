@@ -115,6 +115,25 @@ async def test_cursor_selection_overlays_and_zoom(session):
         assert grid.zoom == 1
         await pilot.press("tab")
         assert app.selected_seq == 0  # the only sequence
+        assert app.focused is grid  # tab selects sequences; the grid keeps the keys
+
+
+async def test_tab_cycles_the_selected_sequence_both_ways(session):
+    app = KvscopeApp(session_source(session))
+    async with app.run_test(size=(120, 40)) as pilot:
+        session.add_prompt("In the beginning").result(30)
+        session.add_prompt("Blessed are they").result(30)
+        await pilot.press("n")
+        await settle(app, pilot, session, steps=1)
+        seen = []
+        for _ in range(4):
+            await pilot.press("tab")
+            seen.append(app.selected_seq)
+        assert seen[:3] == sorted(seen[:3]) and len(set(seen[:3])) == 3 and seen[3] == seen[0]
+        await pilot.press("shift+tab")
+        assert app.selected_seq == seen[2]
+        await pilot.press("right")
+        assert app.query_one(CellGrid).cursor[1] == 1  # the arrows still move the cursor
 
 
 async def test_sequence_keys_change_the_cache(session):

@@ -17,6 +17,8 @@ from engine.watch.recording import RecordingReader
 from engine.watch.replay import Replay
 from tui.app import KvscopeApp
 from tui.demo import DEMO_SETTINGS, DEMO_WORKLOAD
+from tui.grid import CellGrid
+from tui.inspector import CellInspector
 from tui.sources import Source
 
 STEPS = 48  # past the demo's first failed slot search and first context shift
@@ -68,9 +70,13 @@ def test_main_screen(snap_compare, demo_recording, size):
 def test_main_screen_with_the_cursor_on_a_shifted_cell(snap_compare, demo_recording):
     async def on_a_cell(pilot) -> None:
         await at_the_end(pilot)
-        await pilot.press("tab", "right", "right", "down")
+        history = pilot.app.watcher.history
+        cell = next(c for c in range(256) if any("context shift" in line for line in history.lines("base", 0, c)))
+        per_row = pilot.app.query_one(CellGrid).lanes[0].per_row
+        await pilot.press(*["down"] * (cell // per_row), *["right"] * (cell % per_row))
         pilot.app.refresh_view()
         await pilot.pause()
+        assert "context shift" in str(pilot.app.query_one(CellInspector).render())
 
     assert snap_compare(replay_app(demo_recording), terminal_size=(160, 48), run_before=on_a_cell)
 

@@ -57,7 +57,9 @@ class KvscopeApp(App):
         Binding("space", "toggle_run", "start/pause"),
         Binding("n", "step", "step"),
         Binding("p", "prompt", "prompt"),
-        Binding("tab", "next_seq", "next seq"),
+        # priority: the screen's own tab moves the focus, and the grid is the one widget that takes keys
+        Binding("tab", "next_seq(1)", "next seq", priority=True),
+        Binding("shift+tab", "next_seq(-1)", show=False, priority=True),
         Binding("w", "toggle_window", "window"),
         Binding("a", "toggle_attention", "attention", show=False),
         Binding("plus,equals_sign", "zoom(-1)", "zoom in", show=False),
@@ -279,14 +281,14 @@ class KvscopeApp(App):
                 self.selected_seq = held[0] if held else self.selected_seq
         self._draw([])
 
-    def action_next_seq(self) -> None:
+    def action_next_seq(self, direction: int = 1) -> None:
         present = sorted({s for cache in self.watcher.mirror.caches.values() for st in cache.streams
-                          for s in range(256) if st.holds(s).any()})
+                          for s in range(256) if st.holds(s).any()}, reverse=direction < 0)
         if not present:
             return
-        current = self.selected_seq if self.selected_seq is not None else -1
-        later = [s for s in present if s > current]
-        self.selected_seq = later[0] if later else present[0]
+        current = self.selected_seq if self.selected_seq is not None else (-1 if direction > 0 else 256)
+        after = [s for s in present if (s > current if direction > 0 else s < current)]
+        self.selected_seq = after[0] if after else present[0]
         self._draw([])
 
     def action_toggle_window(self) -> None:
@@ -427,13 +429,23 @@ class KvscopeApp(App):
 
     def action_log_group(self) -> None:
         self._view(EventLog).cycle_group()
+        self._refilter_log()
 
     def action_log_seq(self) -> None:
         self._view(EventLog).toggle_seq(self.selected_seq)
+        self._refilter_log()
 
     def action_log_cache(self) -> None:
         where = self._view(CellGrid).cursor_cells()
         self._view(EventLog).toggle_cache(where[0].cache if where else None)
+        self._refilter_log()
+
+    def _refilter_log(self) -> None:
+        """A new filter applies to what the log already showed too: redraw it from the watcher's recent
+        events."""
+        log = self._view(EventLog)
+        log.clear()
+        log.add_events(list(self.watcher.recent))
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())

@@ -12,7 +12,7 @@ GROUPS = ("all", "cells", "decodes", "tokens", "commands", "quirks")
 SHOWN_PER_FRAME = 50
 
 
-class EventLog(RichLog):
+class EventLog(RichLog, can_focus=False):  # the grid keeps the keys; the log scrolls with the mouse
     DEFAULT_CSS = """
     EventLog { height: 8; border: round $primary-darken-2; overflow-x: hidden; }
     """

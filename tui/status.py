@@ -18,8 +18,12 @@ class StatusLine(Static):
         state = status.state if status else "?"
         # the status event comes when the state changes; the steps' own events keep the count current
         step = max(status.step if status else 0, watcher.last_step.step if watcher.last_step else 0)
-        text.append(f"{state} ", style="bold reverse" if state == "running" else "bold")
-        text.append(f" step {step} · {tokens_per_s:.0f} tok/s")
+        text.append(f"{state} ", style="bold reverse" if state == "running" else
+                    ("bold red" if state == "disconnected" else "bold"))
+        if state == "disconnected":  # a remote session: RemoteSession reconnects by itself
+            text.append(f" {status.message or 'the server is silent'}; retrying", style="red")
+        decode = watcher.history.step  # the context's decode count, which the cell histories name
+        text.append(f" step {step}" + (f" (decode {decode})" if decode >= 0 else "") + f" · {tokens_per_s:.0f} tok/s")
         for name, cache in watcher.mirror.caches.items():
             used = sum(int((st.pos >= 0).sum()) for st in cache.streams)
             total = cache.size * len(cache.streams)

@@ -2,6 +2,8 @@
 event concerns (for the logs' filters)."""
 from __future__ import annotations
 
+import numpy as np
+
 from engine import events as ev
 from engine.watch.frames import EMPTY, SHARED
 
@@ -73,8 +75,14 @@ def _what(event: ev.Event) -> str:
 
 
 def event_seqs(event: ev.Event) -> set[int]:
-    """The sequences an event names (empty when it names none; cell events: every sequence of a cell
-    they touched is not listed, only the one the operation was about)."""
+    """The sequences an event names (empty when it names none): an allocation's, those it placed; other
+    cell events, the one the operation was about (not every sequence of the cells they touched)."""
+    if isinstance(event, ev.CellsAllocated):
+        rows = [c.seq_bits for c in event.changes if len(c.seq_bits)]
+        if not rows:
+            return set()
+        placed = np.bitwise_or.reduce(np.concatenate(rows), axis=0)
+        return set(np.flatnonzero(np.unpackbits(placed, bitorder="little")).tolist())
     for name in ("seq_id", "src_seq"):
         value = getattr(event, name, None)
         if isinstance(value, int) and value >= 0:

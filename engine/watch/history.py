@@ -1,7 +1,10 @@
 """Why is this cell here: the last few events that touched each cell, and a one-line story of them.
 
-    allocated at step 12 for seq 2 (client 1, request 5), token ' the', pos 41; shifted -64 by the
-    context shift of seq 2 at step 80
+    allocated in decode 12 for seq 2 (client 1, request 5), token ' the', pos 41; shifted -64 by the
+    context shift of seq 2 after decode 80
+
+Decodes are counted as the context counts them (DecodeStarted.step: every llama_decode call, the system
+prompt's and a retried batch's too), not as a workload counts its steps.
 
 Kept as columns (one array per field, one row per cell, `depth` entries per cell in a ring), so that an
 event touching thousands of cells is a few numpy assignments, never a Python loop over cells. Dry-run
@@ -234,7 +237,7 @@ class CellHistory:
         return self._describe(e).replace(f"shared with seq {e.seq}", f"shared with seqs {seqs}", 1)
 
     def _describe(self, e: HistoryEntry) -> str:
-        when = (f"at step {e.step}" if e.in_decode else f"after step {e.step}") if e.step >= 0 else \
+        when = (f"in decode {e.step}" if e.in_decode else f"after decode {e.step}") if e.step >= 0 else \
             "before the first decode"
         by = f" by {e.why}" if e.why else ""
         if e.kind == ALLOCATED:

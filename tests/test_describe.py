@@ -1,0 +1,26 @@
+"""The event log's words and filters (engine/watch/describe.py), shared by both front-ends."""
+from __future__ import annotations
+
+import engine
+from engine import events as ev
+from engine.batch import Batch
+from engine.watch.describe import describe_event, event_group, event_seqs
+from tests.model_factory import in_memory_model
+
+
+def test_each_event_names_its_sequences_and_group():
+    ctx = engine.Context(in_memory_model(), n_ctx=16, pad=8, n_seq_max=4, kv_unified=True)
+    sub = ctx.bus.subscribe()
+    assert ctx.decode(Batch([5, 6, 7], [0, 0, 1], [[1], [3], [1, 2]])) == 0
+    ctx.memory.seq_cp(1, 0, -1, -1)
+    ctx.memory.seq_rm(3, -1, -1)
+    events = sub.drain()
+    placed = [e for e in events if isinstance(e, ev.CellsAllocated) and not e.tentative]
+    assert [event_seqs(e) for e in placed] == [{1, 2, 3}]  # every sequence the allocation placed
+    copied = next(e for e in events if isinstance(e, ev.CellsCopied))
+    removed = next(e for e in events if isinstance(e, ev.CellsRemoved) and e.seq_id == 3)
+    assert event_seqs(copied) == {0, 1} and event_seqs(removed) == {3}
+    assert {event_group(e) for e in (copied, removed, *placed)} == {"cells"}
+    started = next(e for e in events if isinstance(e, ev.DecodeStarted))
+    assert event_seqs(started) == {1, 2, 3} and event_group(started) == "decodes"
+    assert "seq 1 -> 0" in describe_event(copied)
