@@ -1,6 +1,6 @@
 """A long run of the live layer: does anything grow, get lost or go wrong over time?
 
-    python bench/soak.py [--minutes 30] [--port 5790] [--out /tmp/soak.kvtrace]
+    python bench/soak.py [--minutes 30] [--port 5790] [--out /tmp/soak.kvtrace] [--without PART ...]
 
 One process runs a Session (the demo model, the parallel workload, new requests whenever the queue runs
 dry) served over ZeroMQ, and attaches four watchers:
@@ -17,6 +17,7 @@ if the recording does not replay. Not part of the test command: it takes as long
 from __future__ import annotations
 
 import argparse
+import ctypes
 import sys
 import tempfile
 import threading
@@ -33,6 +34,23 @@ from engine.watch.remote import RemoteSession
 
 WARM_UP_S = 180
 QUESTIONS = ["Who was Moses?", "What did the LORD say?", "Tell of the flood.", "Who built the ark?"]
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def malloc_mib() -> tuple[float, float] | None:
+    """glibc's heap: bytes in use and bytes free but held (mallinfo2), in MiB; None elsewhere. Resident
+    memory that grows while "in use" stays flat is fragmentation, not a leak."""
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return (info.uordblks + info.hblkhd) / 2**20, info.fordblks / 2**20
 
 
 def rss_mib() -> float:
@@ -74,6 +92,8 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--port", type=int, default=5790)
     parser.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "soak.kvtrace"))
+    parser.add_argument("--without", action="append", default=[], choices=["view", "slow view", "remote view", "recorder"],
+                        help="leave a part out, to find which one a growth comes from (repeatable)")
     args = parser.parse_args()
 
     settings = dict(n_ctx=2048, n_seq_max=5, kv_unified=True, swa_full=True)
@@ -84,13 +104,15 @@ def main() -> int:
     with Session(model, settings=settings, workload=spec) as session, \
             SessionServer("127.0.0.1", args.port) as server:
         server.start(session)
-        remote = RemoteSession(server.command_address)
-        views = {"view": Poller(Watcher.of(session), 0.1, frames=True),
-                 "slow view": Poller(Watcher(session.subscribe(64), session.current_state), 2.0),
-                 "remote view": Poller(Watcher.of(remote), 0.2)}
-        recorder = Recorder(args.out)
-        recorder.attach(session.bus)
-        recorder.start()
+        remote = RemoteSession(server.command_address) if "remote view" not in args.without else None
+        views = {"view": lambda: Poller(Watcher.of(session), 0.1, frames=True),
+                 "slow view": lambda: Poller(Watcher(session.subscribe(64), session.current_state), 2.0),
+                 "remote view": lambda: Poller(Watcher.of(remote), 0.2)}
+        views = {name: make() for name, make in views.items() if name not in args.without}
+        recorder = Recorder(args.out) if "recorder" not in args.without else None
+        if recorder is not None:
+            recorder.attach(session.bus)
+            recorder.start()
         for poller in views.values():
             poller.start()
         session.start().result()
@@ -105,29 +127,36 @@ def main() -> int:
             if elapsed >= next_sample:
                 next_sample += 60.0
                 rss.append((elapsed, rss_mib()))
-                w = views["slow view"].watcher
+                parts = [f"{name} {poller.watcher.events} events, {poller.watcher.dropped} dropped, "
+                         f"{poller.watcher.resyncs} resyncs" for name, poller in views.items()]
+                if recorder is not None:
+                    parts.append(f"recorded {recorder.n_events}")
+                heap = malloc_mib()
+                if heap is not None:
+                    parts.insert(0, f"malloc in use {heap[0]:.1f} MiB, free {heap[1]:.1f} MiB")
+                parts.insert(0, f"python blocks {sys.getallocatedblocks()}")
                 print(f"{elapsed / 60:5.1f} min  rss {rss[-1][1]:7.1f} MiB  step {session.status().step:7d}  "
-                      f"events {views['view'].watcher.events:9d}  slow view dropped {w.dropped} "
-                      f"resyncs {w.resyncs}  recorded {recorder.n_events}", flush=True)
+                      + " · ".join(parts), flush=True)
             if elapsed >= next_check:
                 next_check += 300.0
                 failures += check_views(session, views)
-        session.pause().result()
-        failures += check_views(session, views)
-        slow = views["slow view"].watcher
-        if slow.dropped and not slow.resyncs:
-            failures.append(f"the slow view dropped {slow.dropped} events and never resynced")
-        for poller in views.values():
+        failures += check_views(session, views, resume=False)  # the session stays paused from here on
+        for name, poller in views.items():
+            if poller.watcher.dropped and not poller.watcher.resyncs:
+                failures.append(f"the {name} dropped {poller.watcher.dropped} events and never resynced")
             poller.stopped.set()
-        recorder.close()
-        failures += check_recording(args.out, views["view"].watcher)
+        if recorder is not None:
+            recorder.close()
+            if "view" in views:
+                failures += check_recording(args.out, views["view"].watcher)
         failures += check_memory(rss)
-        remote.close()
+        if remote is not None:
+            remote.close()
     print("soak: OK" if not failures else "soak: FAILED\n  " + "\n  ".join(failures))
     return 0 if not failures else 1
 
 
-def check_views(session: Session, views: dict[str, Poller]) -> list[str]:
+def check_views(session: Session, views: dict[str, Poller], resume: bool = True) -> list[str]:
     session.pause().result()
     cells = session.engine_cells().result()
     time.sleep(1.0)  # the remote view's events are on their way
@@ -135,7 +164,8 @@ def check_views(session: Session, views: dict[str, Poller]) -> list[str]:
     for name, poller in views.items():
         with poller.lock:
             out += disagreements(name, poller.watcher, cells)
-    session.start().result()
+    if resume:
+        session.start().result()
     print(f"views checked against the engine: {'all equal' if not out else '; '.join(out)}", flush=True)
     return out
 

@@ -5,31 +5,35 @@
 - grid: CellGrid.show() of a frame plus render_line() of every visible line, in a 160x48 terminal, for
   one-stream caches of 4k, 32k and 131k cells (every cell used, four sequences and shared cells), at one
   cell per glyph (the lanes scroll) and folded to fit the screen.
-- events: the explorer's refresh (drain the watcher, take a frame, redraw) fed by a stream of 4-stream
-  decodes' events as fast as it can take them: events per second absorbed without falling behind.
+- events: the explorer as it runs (its frame timer; drain the watcher, take a frame, redraw; Textual's
+  layout and paint) fed 4-stream decodes' events at 25k, 50k and 100k events/s for a few seconds: it
+  keeps up when everything is taken within a few frames of arriving and the backlog does not grow.
+- keys: from an arrow key reaching the app to its action running, pressed at random moments, while the
+  demo generates (a threaded session, as `kvscope` runs it) and while fed 50k events/s.
 Medians; other jobs share the machine, so compare within one run.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
+from textual import events
 
-sys.path.insert(0, str(Path(__file__).parent))
-from watch import _Recorded, four_stream_events  # noqa: E402 - bench/watch.py's event stream
-
-import engine  # noqa: E402
-from engine import events as ev  # noqa: E402
-from engine.watch.frames import SHARED, Frame, StreamFrame  # noqa: E402
-from engine.watch.watcher import Watcher  # noqa: E402
-from tui.app import KvscopeApp  # noqa: E402
-from tui.grid import CellGrid  # noqa: E402
-from tui.sources import Source  # noqa: E402
+import engine
+from engine import events as ev
+from engine.batch import Batch
+from engine.runners.session import Session
+from engine.watch.frames import SHARED, Frame, StreamFrame
+from engine.watch.watcher import Watcher
+from tui.app import KvscopeApp
+from tui.demo import DEMO_SETTINGS, DEMO_WORKLOAD
+from tui.grid import CellGrid
+from tui.sources import Source, session_source
 
 
 def synthetic_frame(size: int) -> Frame:
@@ -62,32 +66,133 @@ async def grid_ms(size: int, zoom: int, reps: int) -> float:
         return statistics.median(times) * 1e3
 
 
-async def events_absorbed(events: list[ev.Event]) -> float:
-    """Events per second through the app's refresh: watcher drain, frame, redraw of every widget."""
-    feed = _Recorded([])
-    app = KvscopeApp(Source("session", Watcher(feed)), frames_per_second=1)  # refreshes driven by hand below
-    async with app.run_test(size=(160, 48)):
-        batch = 2000
+class PacedFeed:
+    """An event stream that arrives at a fixed rate, seen as a watcher's subscription: drain() hands out
+    what has arrived since the last drain. The backlog is what has arrived and not been taken."""
+
+    dropped = 0
+
+    def __init__(self, events: list[ev.Event], per_second: float) -> None:
+        self.events, self.per_second = events, per_second
+        self.taken, self.started = 0, None
+
+    def arrived(self) -> int:
+        if self.started is None:
+            return 0
+        return min(len(self.events), int((time.perf_counter() - self.started) * self.per_second))
+
+    def drain(self) -> list[ev.Event]:
+        due = self.arrived()
+        out, self.taken = self.events[self.taken:due], max(self.taken, due)
+        return out
+
+
+async def keeps_up(events: list[ev.Event], per_second: float) -> dict:
+    """The explorer as it runs (its own frame timer, refresh, Textual's layout and paint) fed at
+    `per_second`: the frames it drew, the largest backlog, and how long after the last event arrived it
+    had taken them all. It keeps up when that is about a frame and the backlog stays bounded."""
+    feed = PacedFeed(events, per_second)
+    app = KvscopeApp(Source("session", Watcher(feed)))
+    async with app.run_test(size=(160, 48)) as pilot:
+        await pilot.pause()
+        frames0 = app.frames_drawn
+        feed.started = time.perf_counter()
+        duration = len(events) / per_second
+        backlog = {"first half": 0, "second half": 0}
+        while feed.taken < len(events):
+            await asyncio.sleep(0.005)
+            half = "first half" if time.perf_counter() - feed.started < duration / 2 else "second half"
+            backlog[half] = max(backlog[half], feed.arrived() - feed.taken)
+        late_s = time.perf_counter() - feed.started - duration
+        return dict(frames_per_s=(app.frames_drawn - frames0) / (duration + late_s), late_s=late_s, **backlog)
+
+
+async def key_latencies(app: KvscopeApp, n_keys: int) -> list[float]:
+    """Seconds from a key reaching the app (as the terminal driver hands it over) to its action running,
+    for `n_keys` arrow keys at random moments of the frame cycle."""
+    ran = asyncio.Event()
+    move = app.action_cursor
+
+    def timed_move(*args) -> None:
+        move(*args)
+        ran.set()
+
+    app.action_cursor = timed_move
+    latencies, rng = [], random.Random(1)
+    for k in range(n_keys):
+        ran.clear()
+        key = events.Key("right" if k % 2 else "left", None)
+        key.set_sender(app)
         t0 = time.perf_counter()
-        for start in range(0, len(events), batch):
-            feed.events = events[start:start + batch]
-            app.refresh_view()
-        return len(events) / (time.perf_counter() - t0)
+        app._driver.send_message(key)
+        await asyncio.wait_for(ran.wait(), 5)
+        latencies.append(time.perf_counter() - t0)
+        await asyncio.sleep(rng.uniform(0.01, 0.1))
+    return latencies
+
+
+async def keys_while_generating(n_keys: int) -> list[float]:
+    """The demo as `kvscope` runs it: a threaded session generating as fast as it can."""
+    with Session("demo", settings=DEMO_SETTINGS, workload=DEMO_WORKLOAD) as session:
+        app = KvscopeApp(session_source(session, "demo"))
+        async with app.run_test(size=(160, 48)) as pilot:
+            await pilot.pause()
+            session.start().result()
+            await asyncio.sleep(1.0)
+            return await key_latencies(app, n_keys)
+
+
+async def keys_while_fed(events_: list[ev.Event], per_second: float, n_keys: int) -> list[float]:
+    feed = PacedFeed(events_, per_second)
+    app = KvscopeApp(Source("session", Watcher(feed)))
+    async with app.run_test(size=(160, 48)) as pilot:
+        await pilot.pause()
+        feed.started = time.perf_counter()
+        return await key_latencies(app, n_keys)
+
+
+def cycling_events(model, n_events: int) -> list[ev.Event]:
+    """Events of single-token decodes of 4 sequences in 4 streams: 500 decodes, then the sequences are
+    removed, which leaves the cache as it began, so the cycle repeats (renumbered) as long as asked."""
+    ctx = engine.Context(model, n_ctx=4 * 512, n_seq_max=4, kv_unified=False, swa_full=True)
+    sub = ctx.bus.subscribe(maxsize=1 << 22)
+    for pos in range(500):
+        assert ctx.decode(Batch([5, 6, 7, 8], [pos] * 4, [[0], [1], [2], [3]])) == 0
+    for seq in range(4):
+        ctx.memory.seq_rm(seq, -1, -1)
+    cycle = sub.drain()
+    return [dataclasses.replace(cycle[k % len(cycle)], seq_no=k) for k in range(n_events)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--seconds", type=float, default=3.0, help="how long each event rate is fed")
+    parser.add_argument("--keys", type=int, default=40, help="keys pressed per latency measurement")
     args = parser.parse_args()
     for size in (4096, 32768, 131072):
         one = asyncio.run(grid_ms(size, 1, args.reps))
         folded = asyncio.run(grid_ms(size, max(1, size // (150 * 40)), args.reps))
         print(f"grid of {size:>6} cells: {one:6.2f} ms at one cell per glyph, {folded:6.2f} ms folded to the screen")
-    events = four_stream_events(engine.load_model("demo"), 1000)
-    rate = asyncio.run(events_absorbed(events))
-    print(f"explorer refresh: {rate:,.0f} events/s absorbed ({len(events)} events of 1000 4-stream decodes, "
-          f"refreshed every 2000 events)")
+    keys = asyncio.run(keys_while_generating(args.keys))
+    print(f"keys while the demo generates: {_latency_text(keys)}")
+    per_seconds = (25_000, 50_000, 100_000)
+    events = cycling_events(engine.load_model("demo"), int(args.seconds * max(per_seconds)))
+    for per_second in per_seconds:
+        shown = asyncio.run(keeps_up(events[:int(args.seconds * per_second)], per_second))
+        verdict = "keeps up" if shown["late_s"] < 0.25 and shown["second half"] <= 1.5 * max(shown["first half"], 1) \
+            else "falls behind"
+        print(f"explorer fed {per_second:>7,} events/s for {args.seconds:.0f} s: {verdict}: {shown['frames_per_s']:4.1f} "
+              f"frames/s, largest backlog {shown['first half']:,} / {shown['second half']:,} events (first / second "
+              f"half), all taken {1e3 * shown['late_s']:.0f} ms after the last arrived")
+    keys = asyncio.run(keys_while_fed(events, 50_000, args.keys))
+    print(f"keys while fed 50,000 events/s: {_latency_text(keys)}")
 
+
+def _latency_text(seconds: list[float]) -> str:
+    ms = sorted(1e3 * t for t in seconds)
+    return (f"median {statistics.median(ms):.1f} ms, 90th percentile {ms[int(0.9 * (len(ms) - 1))]:.1f} ms, "
+            f"max {ms[-1]:.1f} ms ({len(ms)} keys)")
 
 if __name__ == "__main__":
     main()

@@ -88,3 +88,23 @@ def test_a_frame_after_several_decodes_marks_the_slot_search_of_the_last_one():
         assert ctx.decode(Batch([5 + pos], [pos], [[0]])) == 0
     tentative = assert_frame_is_the_engine(watcher, ctx).stream("kv", 0).tentative
     assert np.flatnonzero(tentative).tolist() == [4]  # the last token's cell, tried first by its dry run
+
+
+def test_a_poll_with_a_time_budget_keeps_the_rest_in_order_for_the_next():
+    ctx = engine.Context(in_memory_model(), n_ctx=64, pad=8, n_seq_max=2, kv_unified=True)
+    watcher = Watcher.of(_Source(ctx))
+    watcher.poll()
+    watcher.POLL_CHUNK = 8
+    for pos in range(12):
+        assert ctx.decode(Batch([5, 6], [pos, pos], [[0], [1]])) == 0
+    applied = watcher.poll(budget_s=0.0)  # out of time after the first chunk
+    assert applied == 8 and watcher.backlog > 0
+    assert watcher.frame().stream("kv", 0).used < ctx.memory.used(0)  # behind, and it says so
+    ctx.memory.seq_rm(1, 6, -1)  # arrives while the backlog waits: must come after it
+    polls = 1
+    while watcher.backlog or polls == 1:
+        watcher.poll(budget_s=0.0)
+        polls += 1
+    assert polls > 3
+    assert_frame_is_the_engine(watcher, ctx)
+    assert watcher.history.lines("kv", 0, 23)[0] == "freed by seq_rm after decode 11"  # cell 23: seq 1, pos 11

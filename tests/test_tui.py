@@ -259,3 +259,85 @@ async def test_a_replayed_recording_shows_the_final_grid_and_steps_back(session,
         await pilot.press("x")  # a recording cannot be changed: told, not crashed
         await pilot.pause(0.2)
         assert any("only replayed" in str(n.message) for n in app._notifications)
+
+
+class _Burst:
+    """A subscription that hands a watcher everything at once: a view that starts far behind."""
+
+    dropped = 0
+
+    def __init__(self, events) -> None:
+        self.events = events
+
+    def drain(self):
+        out, self.events = self.events, []
+        return out
+
+
+def burst_of_events(n_events: int):
+    """A context's events: cycles of 4 sequences decoding 100 tokens and being removed (which leaves the
+    cache as it began, so one cycle, renumbered, repeats), then 5 decodes that stay; and the context."""
+    import dataclasses
+
+    import engine
+    from engine.batch import Batch
+    from tests.model_factory import in_memory_model
+
+    ctx = engine.Context(in_memory_model(), n_ctx=4 * 128, pad=32, n_seq_max=4, kv_unified=False)
+    sub = ctx.bus.subscribe(maxsize=1 << 20)
+    for pos in range(100):
+        assert ctx.decode(Batch([5, 6, 7, 8], [pos] * 4, [[0], [1], [2], [3]])) == 0
+    for seq in range(4):
+        ctx.memory.seq_rm(seq, -1, -1)
+    state = sub.drain()
+    created = sum(1 for e in state if type(e).__name__ in ("ContextCreated", "ModelPlaced", "DeviceMemoryState",
+                                                            "Vocabulary", "MemorySnapshot"))
+    state, cycle = state[:created], state[created:]
+    n_events = -(-n_events // len(cycle)) * len(cycle)  # whole cycles: the cache ends empty
+    events = state + [dataclasses.replace(cycle[k % len(cycle)], seq_no=len(state) + k) for k in range(n_events)]
+    for pos in range(5):
+        assert ctx.decode(Batch([9, 9, 9, 9], [pos] * 4, [[0], [1], [2], [3]])) == 0
+    tail = sub.drain()
+    return ctx, events + [dataclasses.replace(e, seq_no=len(events) + k) for k, e in enumerate(tail)]
+
+
+async def test_keys_answer_while_a_burst_of_events_is_absorbed():
+    import asyncio
+    import time
+
+    from textual import events as keys
+
+    from engine.watch.watcher import Watcher
+    from tui.sources import Source
+    from tui.status import StatusLine
+
+    ctx, events = burst_of_events(100_000)  # a watcher needs a second or more to absorb them
+    app = KvscopeApp(Source("session", Watcher(_Burst(events))))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        assert 0 < app.watcher.backlog < len(events)  # one frame took its share, not all
+        assert "catching up" in str(app.query_one(StatusLine).render())
+        ran = asyncio.Event()
+        app.action_cursor = lambda *a: ran.set()
+        latencies = []
+        for key in ("right", "left", "down", "up", "right"):
+            ran.clear()
+            event = keys.Key(key, None)
+            event.set_sender(app)
+            t0 = time.perf_counter()
+            app._driver.send_message(event)
+            await asyncio.wait_for(ran.wait(), 5)
+            latencies.append(time.perf_counter() - t0)
+            await asyncio.sleep(0.03)
+        assert app.watcher.backlog > 0, "the burst was absorbed before the keys were measured"
+        assert max(latencies) < 0.3, latencies
+        for _ in range(400):
+            if not app.watcher.backlog:
+                break
+            await asyncio.sleep(0.02)
+        app.refresh_view()
+        assert app.watcher.backlog == 0 and app.watcher.events == len(events)
+        grid = app.query_one(CellGrid)
+        for lane in grid.lanes:
+            cells = ctx.memory.cells(lane.stream)
+            assert lane.frame.pos.tolist() == [p for p, _, _ in cells]

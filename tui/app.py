@@ -7,6 +7,7 @@ Futures report back on the session's thread, so results reach the UI through cal
 from __future__ import annotations
 
 import collections
+import gc
 import itertools
 import time
 from concurrent.futures import Future
@@ -33,6 +34,7 @@ from tui.sources import Source
 from tui.status import StatusLine
 
 FRAMES_PER_SECOND = 20
+POLL_BUDGET_S = 0.025  # a frame absorbs events for this long at most, so that keys wait a frame at most
 REPLAY_EVENTS_PER_FRAME = 25  # a playing replay: about 500 events a second
 SHOWN_IN_REPLAY_LOG = 50
 JUMP_KINDS = {"cells": ["CellsChanged"], "decodes": ["DecodeStarted", "DecodeFinished", "SlotSearchFailed"],
@@ -48,9 +50,10 @@ class KvscopeApp(App):
     CSS = """
     #title { height: 1; background: $primary-darken-2; color: $text; padding: 0 1; }
     #side { width: 48; }
-    #main { height: 1fr; }
+    #main { height: 2fr; }
+    EventLog { height: 1fr; min-height: 8; }
     Screen.-narrow #side { width: 32; }
-    Screen.-narrow EventLog { height: 6; }
+    Screen.-narrow EventLog { height: 6; min-height: 6; }
     """
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]  # 80 columns: the grid keeps 32 cells a row
     BINDINGS = [
@@ -147,7 +150,7 @@ class KvscopeApp(App):
             self._refresh_replay()
             return
         watcher = self.watcher
-        n = watcher.poll()
+        n = watcher.poll(budget_s=POLL_BUDGET_S)
         new = list(itertools.islice(watcher.recent, max(0, len(watcher.recent) - n), None)) if n else []
         for event in new:
             self.attention.apply(event)
@@ -155,6 +158,10 @@ class KvscopeApp(App):
                 self._steps.append(event)
         if n or self.frames_drawn == 0:
             self._draw(new)
+            if self.frames_drawn == 1:
+                # What exists now (the model's vocabulary, the widgets) lives as long as the app: the
+                # collector need not walk it again on each full pass, which a fast event stream triggers often.
+                gc.freeze()
         self._draw_status()
 
     def _refresh_replay(self) -> None:

@@ -9,7 +9,7 @@ from engine.watch import style
 from engine.watch.describe import describe_event, event_group, event_seqs
 
 GROUPS = ("all", "cells", "decodes", "tokens", "commands", "quirks")
-SHOWN_PER_FRAME = 50
+SHOWN_PER_FRAME = 20
 
 
 class EventLog(RichLog, can_focus=False):  # the grid keeps the keys; the log scrolls with the mouse

@@ -31,6 +31,8 @@ class StatusLine(Static):
             text.append(f" · {name} {used}/{total}")
             if shifts:
                 text.append(f" ({shifts} to shift)")
+        if watcher.backlog:
+            text.append(f" · catching up: {watcher.backlog} events", style="yellow")
         if watcher.dropped:
             text.append(f" · dropped {watcher.dropped}, resynced {watcher.resyncs}", style="yellow")
         if watcher.stale:

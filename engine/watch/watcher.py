@@ -9,6 +9,7 @@ is never wrong without saying so (`stale` is true only until that resync), and n
 from __future__ import annotations
 
 import collections
+import time
 from typing import Callable
 
 from engine import events as ev
@@ -23,6 +24,8 @@ _STATUS_KINDS = (ev.SessionStatus, ev.WorkloadStep, ev.CommandDone)
 
 class Watcher:
     """Mirrors, history and status of one event stream, kept in step by poll()."""
+
+    POLL_CHUNK = 1024  # events applied between two looks at the clock of a poll with a budget
 
     def __init__(self, subscription: ev.Subscription, current_state: StateSource | None = None, *,
                  history_depth: int = 8, recent: int = 2000) -> None:
@@ -41,6 +44,7 @@ class Watcher:
         self.resyncs = 0
         self.dropped = 0
         self._skip_until: int | None = None  # events stamped at or before it are in the last resync's state
+        self._backlog: list[ev.Event] = []  # taken from the queue, left by a poll that ran out of time
 
     @classmethod
     def of(cls, source, *, maxsize: int = 1 << 16, **options) -> Watcher:
@@ -51,19 +55,27 @@ class Watcher:
     def stale(self) -> bool:
         return self.mirror.stale
 
-    def poll(self) -> int:
-        """Apply every event that arrived; returns how many were applied."""
-        applied, batch = 0, []
-        for event in self.subscription.drain():
-            if isinstance(event, ev.EventsDropped):
-                applied += self.apply_all(batch)
-                batch = []
-                if self._skip_until is None or event.last_seq_no > self._skip_until:
-                    self.mirror.apply(event)  # marks the mirror stale
-                    self._resync()
-            elif self._skip_until is None or event.seq_no > self._skip_until:
-                batch.append(event)
-        applied += self.apply_all(batch)
+    @property
+    def backlog(self) -> int:
+        """Events taken from the queue that a poll with a time budget left for the next one."""
+        return len(self._backlog)
+
+    def poll(self, budget_s: float | None = None) -> int:
+        """Apply every event that arrived; returns how many were applied (those a resync's state already
+        held are skipped). With a budget, stop once about `budget_s` seconds went by and keep the rest,
+        in order, for the next poll: a view under a burst of events still draws and answers keys."""
+        arrived = self.subscription.drain()
+        events = self._backlog + arrived if self._backlog else arrived
+        self._backlog = []
+        deadline = None if budget_s is None else time.perf_counter() + budget_s
+        taken, applied_before = 0, self.events
+        while taken < len(events):
+            chunk = events[taken:taken + self.POLL_CHUNK] if deadline is not None else events
+            self._apply_arrived(chunk)
+            taken += len(chunk)
+            if deadline is not None and time.perf_counter() >= deadline:
+                self._backlog = events[taken:]
+                break
         # A full queue tells its watcher only with the next event that fits, so after draining it ask
         # the queue itself whether it dropped anything since: the view is then right at once.
         dropped = getattr(self.subscription, "dropped", 0)
@@ -71,7 +83,20 @@ class Watcher:
             self.dropped = dropped
             self.mirror.stale = True
             self._resync()
-        return applied
+        return self.events - applied_before
+
+    def _apply_arrived(self, events: list[ev.Event]) -> None:
+        batch = []
+        for event in events:
+            if isinstance(event, ev.EventsDropped):
+                self.apply_all(batch)
+                batch = []
+                if self._skip_until is None or event.last_seq_no > self._skip_until:
+                    self.mirror.apply(event)  # marks the mirror stale
+                    self._resync()
+            elif self._skip_until is None or event.seq_no > self._skip_until:
+                batch.append(event)
+        self.apply_all(batch)
 
     def apply(self, event: ev.Event) -> None:
         self.apply_all([event])
