@@ -35,6 +35,8 @@ from tui.status import StatusLine
 
 FRAMES_PER_SECOND = 20
 POLL_BUDGET_S = 0.025  # a frame absorbs events for this long at most, so that keys wait a frame at most
+CATCHING_UP_DRAW_EVERY_S = 0.2  # with a backlog, redraw this often; the frames between only absorb
+UNDRAWN_KEPT = 200  # events kept for the log between two draws (it shows the latest of a burst)
 REPLAY_EVENTS_PER_FRAME = 25  # a playing replay: about 500 events a second
 SHOWN_IN_REPLAY_LOG = 50
 JUMP_KINDS = {"cells": ["CellsChanged"], "decodes": ["DecodeStarted", "DecodeFinished", "SlotSearchFailed"],
@@ -105,6 +107,9 @@ class KvscopeApp(App):
         self.attention = AttentionWatch()
         self.recorder: Recorder | None = None
         self._steps: collections.deque[ev.WorkloadStep] = collections.deque(maxlen=512)
+        self._undrawn: list[ev.Event] = []  # events absorbed since the last draw (the latest, for the log)
+        self._drawn_at = 0.0
+        self._catching_up = False  # a refresh is scheduled to go on absorbing a backlog
         self.frames_drawn = 0
         self.playing = False  # a replay advancing by itself (space)
         self._shown_at: tuple[int, int] = (-2, -1)  # a replay's (position, rebuilds) last drawn
@@ -156,13 +161,28 @@ class KvscopeApp(App):
             self.attention.apply(event)
             if isinstance(event, ev.WorkloadStep):
                 self._steps.append(event)
-        if n or self.frames_drawn == 0:
-            self._draw(new)
+        if new:
+            self._undrawn = (self._undrawn + new)[-UNDRAWN_KEPT:]
+        now = time.monotonic()
+        # Behind (a burst left a backlog): draw a few times a second and give the other frames to
+        # absorbing, so the view catches up; every frame still answers keys and updates the status line.
+        draw_due = not watcher.backlog or now - self._drawn_at >= CATCHING_UP_DRAW_EVERY_S
+        if (self._undrawn and draw_due) or self.frames_drawn == 0:
+            self._draw(self._undrawn)
+            self._undrawn, self._drawn_at = [], now
             if self.frames_drawn == 1:
                 # What exists now (the model's vocabulary, the widgets) lives as long as the app: the
                 # collector need not walk it again on each full pass, which a fast event stream triggers often.
                 gc.freeze()
         self._draw_status()
+        if watcher.backlog and not self._catching_up:
+            # behind: go on absorbing as soon as the keys that came meanwhile were handled, not a frame later
+            self._catching_up = True
+            self.set_timer(0.001, self._catch_up)
+
+    def _catch_up(self) -> None:
+        self._catching_up = False
+        self.refresh_view()
 
     def _refresh_replay(self) -> None:
         """A replay moves by keys (or plays): draw when its position moved, the log from what it replayed."""

@@ -54,11 +54,12 @@ class Lane:
         return 1 + self.n_rows
 
 
-class CellGrid(ScrollView, can_focus=True):
-    """Lanes of cells; see the module docstring."""
+class CellGrid(ScrollView, can_focus=True, inherit_bindings=False):
+    """Lanes of cells; see the module docstring. The arrows, home and end belong to the app (the cursor,
+    a replay's seek): a scroll view's own bindings would scroll instead whenever the lanes overflow."""
 
     DEFAULT_CSS = """
-    CellGrid { height: 1fr; min-height: 6; scrollbar-size-vertical: 1; }
+    CellGrid { height: 1fr; min-height: 6; scrollbar-size-vertical: 1; overflow-x: hidden; }
     """
 
     def __init__(self, **kwargs) -> None:

@@ -32,10 +32,12 @@ from engine.arguments import int_arg, optional_int
 from engine.context import Context
 from engine.errors import KvscopeError
 from engine.models.model import Model, load_model
+from engine.runners.heap import release_free_heap
 from engine.runners.workloads import IDLE, WorkloadSpec, make_workload
 from engine.sizing.estimate import estimate
 from engine.watch.protocol import Status, StepOutcome
 
+HEAP_RELEASE_EVERY_S = 60.0  # a running session gives freed heap back this often (engine/runners/heap.py)
 log = logging.getLogger("kvscope.session")
 
 # What a session's context gets unless told otherwise: small enough that the cache's behaviour shows
@@ -69,6 +71,7 @@ class Session:
         self._idle_since_command = False
         self._step_requests: list[tuple[int, list[StepOutcome], Future]] = []
         self._last_step_start = 0.0
+        self._heap_released_at = time.monotonic()
         self._lock = threading.Lock()  # guards what status() reads
         self._queue: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._closed = False
@@ -311,6 +314,9 @@ class Session:
 
     def _timed_step(self) -> None:
         self._last_step_start = time.monotonic()
+        if self._last_step_start - self._heap_released_at >= HEAP_RELEASE_EVERY_S:
+            self._heap_released_at = self._last_step_start
+            release_free_heap()
         outcome = self._do_one_step()
         if self._step_requests:
             n, done, future = self._step_requests[0]

@@ -1,0 +1,28 @@
+"""Freed heap given back to the system, for runs that last hours.
+
+A session's threads (the worker, the views' pollers, a recorder, a server) allocate and free many
+small arrays. glibc keeps what a thread freed in that thread's arena for reuse, and the arenas' free
+space fragments: resident memory creeps up while the memory in use stays flat (bench/soak.py prints
+both). malloc_trim(0) returns the free pages of every arena. Elsewhere (macOS, musl) it is absent and
+this does nothing.
+"""
+from __future__ import annotations
+
+import ctypes
+
+
+def _find_malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _find_malloc_trim()
+
+
+def release_free_heap() -> bool:
+    """Give the free pages of the C heap back to the system; True when some were."""
+    if _MALLOC_TRIM is None:
+        return False
+    return bool(_MALLOC_TRIM(0))
