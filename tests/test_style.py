@@ -9,11 +9,14 @@ import pytest
 
 from engine.watch.frames import EMPTY, SHARED, StreamFrame
 from engine.watch.style import (
+    LIGHT_BACKGROUND,
     PALETTE,
+    contrast,
     fold,
     occupancy_glyph,
     owner_color,
     owner_glyph,
+    palette,
     seq_color,
 )
 
@@ -23,6 +26,21 @@ def test_colours_are_stable_distinct_and_wrap():
     assert [seq_color(s) for s in range(12)] == list(PALETTE) and seq_color(13) == PALETTE[1]
     assert owner_color(SHARED) != owner_color(EMPTY) and owner_color(SHARED) not in PALETTE
     assert (owner_glyph(EMPTY), owner_glyph(SHARED), owner_glyph(3)) == ("·", "▒", "█")
+
+
+@pytest.mark.parametrize(("dark", "background"), [(True, "#121212"), (True, "#1E1E1E"), (False, LIGHT_BACKGROUND),
+                                                  (False, "#FFFFFF"), (False, "#FDF6E3")])
+def test_cells_stand_out_on_dark_and_light_backgrounds(dark, background):
+    colours = palette(dark)
+    assert len(set(colours)) == 12 and [seq_color(s, dark) for s in range(12)] == list(colours)
+    assert all(contrast(c, background) >= 3.0 for c in (*colours, owner_color(SHARED, dark)))
+    assert contrast(owner_color(EMPTY, dark), background) >= 2.0  # dim on purpose, still visible
+    assert owner_color(SHARED, dark) not in colours and owner_color(EMPTY, dark) not in colours
+
+
+def test_contrast_is_wcag_s():
+    assert contrast("#000000", "#FFFFFF") == pytest.approx(21.0) and contrast("#777777", "#777777") == 1.0
+    assert contrast("#767676", "#FFFFFF") == pytest.approx(4.54, abs=0.01)  # the known AA grey on white
 
 
 def random_frame(rng, size: int) -> StreamFrame:

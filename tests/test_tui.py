@@ -311,10 +311,10 @@ async def test_keys_answer_while_a_burst_of_events_is_absorbed():
     from tui.sources import Source
     from tui.status import StatusLine
 
-    ctx, events = burst_of_events(100_000)  # a watcher needs a second or more to absorb them
+    ctx, events = burst_of_events(150_000)  # a watcher needs a second or more to absorb them
     app = KvscopeApp(Source("session", Watcher(_Burst(events))))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.pause()
+    async with app.run_test(size=(120, 40)):
+        await asyncio.sleep(0.1)  # the first frame (pilot.pause() would wait for an idle CPU: the burst's end)
         assert 0 < app.watcher.backlog < len(events)  # one frame took its share, not all
         assert "catching up" in str(app.query_one(StatusLine).render())
         ran = asyncio.Event()
@@ -332,7 +332,7 @@ async def test_keys_answer_while_a_burst_of_events_is_absorbed():
             latencies.append(time.perf_counter() - t0)
             await asyncio.sleep(0.03)
         assert len(latencies) >= 3, "the burst was absorbed before the keys were measured"
-        assert max(latencies) < 0.3, latencies
+        assert max(latencies) < 0.5, latencies  # absorbing it all at once takes seconds
         for _ in range(400):
             if not app.watcher.backlog:
                 break
@@ -360,3 +360,28 @@ async def test_arrows_move_the_cursor_when_the_lanes_overflow_the_screen():
         assert grid.scroll_offset.x == 0  # the arrows never scroll sideways
         await pilot.press(*["right_square_bracket"] * 3, *["down"] * 8)  # the last lane, below the screen
         assert grid.cursor[0] == 3 and grid.scroll_offset.y > 0  # the grid followed the cursor
+
+
+async def test_cells_read_on_a_dark_and_on_a_light_theme():
+    from engine.watch import style
+    from engine.watch.watcher import Watcher
+    from tui.sources import Source
+
+    _, events = burst_of_events(0)  # four sequences in four streams
+    app = KvscopeApp(Source("session", Watcher(_Burst(events))))
+    seen = {}
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        for theme in ("textual-dark", "textual-light"):
+            app.theme = theme
+            await pilot.pause()
+            grid = app.query_one(CellGrid)
+            background = grid.background_colors[1].hex
+            colours = {seg.style.color.triplet.hex.upper() for y in range(grid.size.height)
+                       for seg in grid.render_line(y) if seg.text.strip("·« »") and seg.style and seg.style.color
+                       and seg.style.color.triplet}
+            cells = colours & {c.upper() for c in style.palette(app.current_theme.dark)}
+            assert len(cells) == 4, (theme, colours)  # the four sequences' colours are drawn
+            assert all(style.contrast(c, background) >= 3.0 for c in cells), (theme, background, cells)
+            seen[theme] = cells
+    assert seen["textual-dark"] != seen["textual-light"]  # the light theme has its own, darker colours

@@ -83,3 +83,11 @@ def test_main_screen_with_the_cursor_on_a_shifted_cell(snap_compare, demo_record
 
 def test_help_screen(snap_compare, demo_recording):
     assert snap_compare(replay_app(demo_recording), terminal_size=(80, 24), press=["question_mark"])
+
+
+def test_main_screen_on_a_light_theme(snap_compare, demo_recording):
+    async def light(pilot) -> None:
+        pilot.app.theme = "textual-light"
+        await at_the_end(pilot)
+
+    assert snap_compare(replay_app(demo_recording), terminal_size=(160, 48), run_before=light)

@@ -467,6 +467,12 @@ class KvscopeApp(App):
         self._view(EventLog).toggle_cache(where[0].cache if where else None)
         self._refilter_log()
 
+    def watch_theme(self, _theme: str) -> None:
+        """Colours follow the background (engine/watch/style.py): redraw the log in the new theme's."""
+        if self.screen_stack and self.screen_stack[0].is_mounted and self.frames_drawn:
+            self._refilter_log()
+            self._view(CellGrid).refresh()
+
     def _refilter_log(self) -> None:
         """A new filter applies to what the log already showed too: redraw it from the watcher's recent
         events."""

@@ -66,14 +66,14 @@ class EventLog(RichLog, can_focus=False):  # the grid keeps the keys; the log sc
                             style="dim"))
             kept = kept[-SHOWN_PER_FRAME:]
         for event in kept:
-            self.write(_line(event))
+            self.write(_line(event, self.app.current_theme.dark))
 
 
-def _line(event: ev.Event) -> Text:
+def _line(event: ev.Event, dark: bool = True) -> Text:
     text = Text(f"{event.seq_no:>7} ", style="dim")
     seqs = sorted(event_seqs(event))
     body = describe_event(event)
-    color = style.seq_color(seqs[0]) if len(seqs) == 1 else None
+    color = style.seq_color(seqs[0], dark) if len(seqs) == 1 else None
     text.append(body, style=color or "")
     if getattr(event, "quirk", ""):
         text.stylize(style.QUIRK_COLOR, len(text) - len(body) + body.index("!"))

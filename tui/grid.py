@@ -159,13 +159,16 @@ class CellGrid(ScrollView, can_focus=True, inherit_bindings=False):
     # ---- drawing ---------------------------------------------------------------------------------
     def render_line(self, y: int) -> Strip:
         line = y + int(self.scroll_offset.y)
+        width = self.scrollable_content_region.width
         for k, lane in enumerate(self.lanes):
             if lane.first_line <= line < lane.first_line + lane.n_lines:
                 row = line - lane.first_line - 1
-                strip = (Strip([Segment(lane.title[:self.size.width], TITLE)]) if row < 0
+                strip = (Strip([Segment(lane.title[:width], TITLE)]) if row < 0
                          else self._row_strip(k, lane, row))
-                return strip.extend_cell_length(self.size.width)
-        return Strip.blank(self.size.width)
+                # the theme's colours under the cells' own: a Line API widget is otherwise drawn on the
+                # terminal's default background, dark under a light theme
+                return strip.extend_cell_length(width).apply_style(self.rich_style)
+        return Strip.blank(width, self.rich_style)
 
     def _row_strip(self, k: int, lane: Lane, row: int) -> Strip:
         lo = row * lane.per_row
@@ -179,28 +182,30 @@ class CellGrid(ScrollView, can_focus=True, inherit_bindings=False):
         bounds = np.flatnonzero(key[1:] != key[:-1]) + 1
         starts = np.r_[0, bounds]
         ends = np.r_[bounds, len(key)]
+        dark = self.app.current_theme.dark
         for a, b in zip(starts.tolist(), ends.tolist()):
-            segments.append(Segment("".join(text[a:b].tolist()), _style(int(key[a]))))
+            segments.append(Segment("".join(text[a:b].tolist()), _style(int(key[a]), dark)))
         return Strip(segments)
 
 
 # ---- glyphs as arrays: one numpy pass per lane and frame -----------------------------------------------
 # A style key packs: colour index (sequence palette, then SHARED, EMPTY) | flag bits | heat level
-COLOURS = (*style.PALETTE, style.SHARED_COLOR, style.EMPTY_COLOR)
+COLOURS = {dark: (*style.palette(dark), style.owner_color(SHARED, dark), style.owner_color(EMPTY, dark))
+           for dark in (True, False)}  # by theme: dark or light background
 SHARED_INDEX, EMPTY_INDEX = len(style.PALETTE), len(style.PALETTE) + 1
 CHANGED_BIT, DIM_BIT, HEAD_BIT, CURSOR_BIT = 1 << 4, 1 << 5, 1 << 6, 1 << 7
 HEAT_SHIFT, HEAT_LEVELS = 8, 8
-_STYLES: dict[int, Style] = {}
+_STYLES: dict[tuple[int, bool], Style] = {}
 
 
-def _style(key: int) -> Style:
-    found = _STYLES.get(key)
+def _style(key: int, dark: bool = True) -> Style:
+    found = _STYLES.get((key, dark))
     if found is None:
         heat = key >> HEAT_SHIFT
         bgcolor = _heat_color(heat) if heat else (style.HEAD_COLOR if key & HEAD_BIT else None)
-        found = _STYLES[key] = Style(color=COLOURS[key & 0xF], bgcolor=bgcolor, bold=bool(key & CHANGED_BIT),
-                                     underline=bool(key & CHANGED_BIT), dim=bool(key & DIM_BIT),
-                                     reverse=bool(key & CURSOR_BIT))
+        found = _STYLES[(key, dark)] = Style(color=COLOURS[dark][key & 0xF], bgcolor=bgcolor,
+                                             bold=bool(key & CHANGED_BIT), underline=bool(key & CHANGED_BIT),
+                                             dim=bool(key & DIM_BIT), reverse=bool(key & CURSOR_BIT))
     return found
 
 

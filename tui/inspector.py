@@ -38,7 +38,7 @@ class CellInspector(Static):
         else:
             text.append(f"pos {pos} · ")
             for s in seqs:
-                text.append(f"seq {s} ", style=style.seq_color(s))
+                text.append(f"seq {s} ", style=style.seq_color(s, self.app.current_theme.dark))
             token = _token_of(history, cache, stream, first)
             if token:
                 text.append(f"· token {token!r}")

@@ -25,6 +25,7 @@ HELP = """\
   When a lane is wider than the screen, a glyph covers several cells: {shades} from empty to full.
 
 [b]Sequences[/b] keep one colour everywhere: {colours}
+On a light theme (ctrl+p, "theme") the same hues come darker, to stand out as well.
 
 [b]Lanes[/b]  kv: the cache of a full-attention model. base / swa: the two caches of a sliding-window
 model (full-attention layers / sliding layers). With split streams (-np without -kvu) every sequence has
@@ -50,7 +51,8 @@ class HelpScreen(ModalScreen[None]):
     """
 
     def compose(self) -> ComposeResult:
-        colours = " ".join(f"[{c}]{style.GLYPH_ONE}{i}[/]" for i, c in enumerate(style.PALETTE))
+        colours = " ".join(f"[{c}]{style.GLYPH_ONE}{i}[/]"
+                           for i, c in enumerate(style.palette(self.app.current_theme.dark)))
         text = HELP.format(empty=style.GLYPH_EMPTY, one=style.GLYPH_ONE, shared=style.GLYPH_SHARED,
                            head=style.HEAD_COLOR, shades="".join(style.OCCUPANCY_GLYPHS[1:]), colours=colours)
         with VerticalScroll():

@@ -28,6 +28,11 @@ SHARED_COLOR = "#FFFFFF"  # several sequences in one cell
 EMPTY_COLOR = "#5F5F5F"
 HEAD_COLOR = "#FF5F5F"
 QUIRK_COLOR = "#FF5F87"
+# On a light background the same hues, darkened until they stand out as well as on a dark one (3:1 or
+# more against textual-light's #E0E0E0, the darkest light background a view is drawn on); shared cells dark.
+LIGHT_BACKGROUND = "#E0E0E0"
+SHARED_COLOR_ON_LIGHT = "#333333"
+EMPTY_COLOR_ON_LIGHT = "#8A8A8A"
 
 GLYPH_EMPTY = "·"
 GLYPH_ONE = "█"
@@ -37,16 +42,50 @@ GLYPH_HEAD = "▼"
 OCCUPANCY_GLYPHS = (" ", "░", "▒", "▓", "█")  # a folded glyph: none, under a quarter, ..., all cells used
 
 
-def seq_color(seq_id: int) -> str:
-    """The colour of a sequence, the same in every view and every run."""
-    return PALETTE[seq_id % len(PALETTE)] if seq_id >= 0 else EMPTY_COLOR
+def relative_luminance(colour: str) -> float:
+    """WCAG's relative luminance of a #RRGGBB colour."""
+    channels = [int(colour[k:k + 2], 16) / 255 for k in (1, 3, 5)]
+    r, g, b = (c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in channels)
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
 
 
-def owner_color(owner: int) -> str:
+def contrast(a: str, b: str) -> float:
+    """WCAG's contrast ratio of two colours (1 to 21; 3 reads well for large marks such as cells)."""
+    la, lb = sorted((relative_luminance(a), relative_luminance(b)), reverse=True)
+    return (la + 0.05) / (lb + 0.05)
+
+
+def _darkened(colour: str, background: str, ratio: float = 3.0) -> str:
+    """The colour, its channels scaled down together (the hue kept) until it has `ratio` on `background`."""
+    channels = [int(colour[k:k + 2], 16) for k in (1, 3, 5)]
+    for scale in np.arange(1.0, 0.0, -0.02):
+        darker = "#" + "".join(f"{round(c * scale):02X}" for c in channels)
+        if contrast(darker, background) >= ratio:
+            return darker
+    return "#000000"
+
+
+PALETTE_ON_LIGHT = tuple(_darkened(c, LIGHT_BACKGROUND) for c in PALETTE)
+
+
+def palette(dark: bool = True) -> tuple[str, ...]:
+    """The sequence colours for a dark or a light background (sequence s: palette[s % 12])."""
+    return PALETTE if dark else PALETTE_ON_LIGHT
+
+
+def seq_color(seq_id: int, dark: bool = True) -> str:
+    """The colour of a sequence, the same in every view and every run (per kind of background)."""
+    if seq_id < 0:
+        return EMPTY_COLOR if dark else EMPTY_COLOR_ON_LIGHT
+    colours = palette(dark)
+    return colours[seq_id % len(colours)]
+
+
+def owner_color(owner: int, dark: bool = True) -> str:
     """The colour of a cell or glyph by its owner code (a sequence id, EMPTY or SHARED)."""
     if owner == SHARED:
-        return SHARED_COLOR
-    return EMPTY_COLOR if owner == EMPTY else seq_color(owner)
+        return SHARED_COLOR if dark else SHARED_COLOR_ON_LIGHT
+    return seq_color(owner, dark)  # EMPTY is negative: the empty colour
 
 
 def owner_glyph(owner: int) -> str:
