@@ -160,20 +160,21 @@ class CellGrid(ScrollView, can_focus=True, inherit_bindings=False):
     def render_line(self, y: int) -> Strip:
         line = y + int(self.scroll_offset.y)
         width = self.scrollable_content_region.width
+        # the theme's background under every segment: a Line API widget is otherwise drawn on the
+        # terminal's default background, dark under a light theme
+        base = self.rich_style
         for k, lane in enumerate(self.lanes):
             if lane.first_line <= line < lane.first_line + lane.n_lines:
                 row = line - lane.first_line - 1
-                strip = (Strip([Segment(lane.title[:width], TITLE)]) if row < 0
-                         else self._row_strip(k, lane, row))
-                # the theme's colours under the cells' own: a Line API widget is otherwise drawn on the
-                # terminal's default background, dark under a light theme
-                return strip.extend_cell_length(width).apply_style(self.rich_style)
-        return Strip.blank(width, self.rich_style)
+                strip = (Strip([Segment(lane.title[:width], base + TITLE)]) if row < 0
+                         else self._row_strip(k, lane, row, base))
+                return strip.extend_cell_length(width, base)
+        return Strip.blank(width, base)
 
-    def _row_strip(self, k: int, lane: Lane, row: int) -> Strip:
+    def _row_strip(self, k: int, lane: Lane, row: int, base: Style) -> Strip:
         lo = row * lane.per_row
         hi = min(lo + lane.per_row, lane.n_glyphs)
-        segments = [Segment(f"{int(lane.folded.start[lo]):>5} ", DIM)]
+        segments = [Segment(f"{int(lane.folded.start[lo]):>5} ", base + DIM)]
         text, key = lane.text[lo:hi], lane.key[lo:hi].copy()
         cursor = self.cursor[1] - lo if self.cursor[0] == k else -1
         if 0 <= cursor < len(key):
@@ -182,9 +183,9 @@ class CellGrid(ScrollView, can_focus=True, inherit_bindings=False):
         bounds = np.flatnonzero(key[1:] != key[:-1]) + 1
         starts = np.r_[0, bounds]
         ends = np.r_[bounds, len(key)]
-        dark = self.app.current_theme.dark
+        dark, background = self.app.current_theme.dark, base.bgcolor
         for a, b in zip(starts.tolist(), ends.tolist()):
-            segments.append(Segment("".join(text[a:b].tolist()), _style(int(key[a]), dark)))
+            segments.append(Segment("".join(text[a:b].tolist()), _style(int(key[a]), dark, background)))
         return Strip(segments)
 
 
@@ -195,15 +196,16 @@ COLOURS = {dark: (*style.palette(dark), style.owner_color(SHARED, dark), style.o
 SHARED_INDEX, EMPTY_INDEX = len(style.PALETTE), len(style.PALETTE) + 1
 CHANGED_BIT, DIM_BIT, HEAD_BIT, CURSOR_BIT = 1 << 4, 1 << 5, 1 << 6, 1 << 7
 HEAT_SHIFT, HEAT_LEVELS = 8, 8
-_STYLES: dict[tuple[int, bool], Style] = {}
+_STYLES: dict[tuple, Style] = {}
 
 
-def _style(key: int, dark: bool = True) -> Style:
-    found = _STYLES.get((key, dark))
+def _style(key: int, dark: bool = True, background=None) -> Style:
+    """The style of a glyph's key on a dark or light theme whose background is `background`."""
+    found = _STYLES.get((key, dark, background))
     if found is None:
         heat = key >> HEAT_SHIFT
-        bgcolor = _heat_color(heat) if heat else (style.HEAD_COLOR if key & HEAD_BIT else None)
-        found = _STYLES[(key, dark)] = Style(color=COLOURS[dark][key & 0xF], bgcolor=bgcolor,
+        bgcolor = _heat_color(heat) if heat else (style.HEAD_COLOR if key & HEAD_BIT else background)
+        found = _STYLES[(key, dark, background)] = Style(color=COLOURS[dark][key & 0xF], bgcolor=bgcolor,
                                              bold=bool(key & CHANGED_BIT), underline=bool(key & CHANGED_BIT),
                                              dim=bool(key & DIM_BIT), reverse=bool(key & CURSOR_BIT))
     return found

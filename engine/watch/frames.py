@@ -98,62 +98,37 @@ class FrameSource:
     """Frames of a CacheMirror: the mirror keeps the cells, this marks which ones events touched, and
     frame() derives and copies what a view draws (see the module docstring)."""
 
-    FLUSH_AT = 8192  # queued cell changes that trigger marking, bounding the queue of a view that never draws
-
     def __init__(self, mirror: CacheMirror) -> None:
         self.mirror = mirror
         self._marks: dict[tuple[str, int], _Marks] = {}
         self.seq_no = -1
-        # cell changes not yet marked, as (marks, cells, tentative): marked together per stream when
-        # a frame is taken, one numpy write per stream rather than one per event and stream
-        self._queued: list[tuple[_Marks, np.ndarray, bool]] = []
-        self._decode_starts_at: int | None = None  # queue index of the latest DecodeStarted's first change
 
     def apply(self, event: ev.Event) -> None:
         """Call after the mirror applied the event."""
         self.seq_no = event.seq_no
         if isinstance(event, ev.CellsChanged):
-            queued, known, cache, tentative = self._queued, self._marks, event.cache, event.tentative
             for change in event.changes:
-                # the marks of the cache as it is now: a cache rebuilt later under the same name is another
-                marks = known.get((cache, change.stream)) or self._marks_of(cache, change.stream)
+                marks = self._marks_of(event.cache, change.stream)
                 if marks is not None:
-                    queued.append((marks, change.cells, tentative))
-            if len(queued) >= self.FLUSH_AT:
-                self._mark_queued()
+                    # a single-token decode's cell: a scalar write is several times faster than an index array
+                    cells = int(change.cells[0]) if len(change.cells) == 1 else change.cells
+                    marks.dirty[cells] = True
+                    if event.tentative:
+                        marks.tentative[cells] = True
         elif isinstance(event, ev.DecodeStarted):
             # a frame shows the slot search of the latest decode: over many steps (a slow view, a replay's
             # jump) the searches of all of them would mark nearly every cell
-            self._decode_starts_at = len(self._queued)
-        elif isinstance(event, ev.ContextCreated):
-            self._mark_queued()
-            for key in [k for k in self._marks if k[0] == event.cache]:
-                del self._marks[key]  # a new cache: every cell is new
-
-    def _mark_queued(self) -> None:
-        queued, self._queued = self._queued, []
-        starts_at, self._decode_starts_at = self._decode_starts_at, None
-        if starts_at is not None:
             for marks in self._marks.values():
                 marks.tentative[:] = False
-        dirty: dict[int, tuple[_Marks, list[np.ndarray]]] = {}
-        tentative: dict[int, list[np.ndarray]] = {}
-        for k, (marks, cells, dry_run) in enumerate(queued):
-            dirty.setdefault(id(marks), (marks, []))[1].append(cells)
-            if dry_run and (starts_at is None or k >= starts_at):
-                tentative.setdefault(id(marks), []).append(cells)
-        for key, (marks, cells) in dirty.items():
-            marks.dirty[np.concatenate(cells)] = True
-            if key in tentative:
-                marks.tentative[np.concatenate(tentative[key])] = True
+        elif isinstance(event, ev.ContextCreated):
+            for key in [k for k in self._marks if k[0] == event.cache]:
+                del self._marks[key]  # a new cache: every cell is new
 
     def continue_from(self, previous: FrameSource) -> None:
         """Compare the next frame with the last one `previous` gave, rather than with empty cells: for a view
         whose mirror was rebuilt instead of moved event by event (a replay that jumped), so that the first
         frame after the jump marks what the jump changed. A stream `previous` did not show at this size is
         compared with empty cells, as a new stream always is."""
-        self._mark_queued()
-        previous._mark_queued()
         for key, old in previous._marks.items():
             marks = self._marks_of(*key)
             if marks is not None and len(marks.shown_pos) == len(old.shown_pos):
@@ -171,7 +146,6 @@ class FrameSource:
 
     def frame(self) -> Frame:
         """Every stream of every cache of the mirror (copies), and which cells changed since the last frame."""
-        self._mark_queued()
         streams = []
         for name, state in self.mirror.caches.items():
             for s, st in enumerate(state.streams):
