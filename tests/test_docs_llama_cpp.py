@@ -159,7 +159,7 @@ def setup_commands() -> list[str]:
 
 def test_readme_has_two_setup_commands_and_running_needs_no_test_dependencies():
     run_cmd, test_cmd = setup_commands()  # exactly two
-    assert run_cmd.startswith("pip install torch==2.13.0 && pip install -e . && kvscope generate ")
+    assert run_cmd == "pip install torch==2.13.0 && pip install -e '.[tui]' && kvscope"  # the explorer on the demo
     assert "[dev]" not in run_cmd
     assert test_cmd == "pip install torch==2.13.0 && pip install -e '.[dev]' && python -m pytest"
 
