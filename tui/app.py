@@ -23,6 +23,7 @@ from textual.widgets import Footer, Static
 
 from engine import events as ev
 from engine.watch import AttentionWatch, Recorder, visibility
+from engine.watch.describe import cache_title
 from engine.watch.frames import SHARED
 from tui.commands import SequenceCommands
 from tui.devices import DeviceBars
@@ -249,13 +250,7 @@ class KvscopeApp(App):
                 f"{' · window shown' if self.show_window else ''}{' · recording' if self.recorder else ''}")
 
     def _lane_titles(self) -> dict[str, str]:
-        titles = {}
-        for name, c in self.watcher.mirror.created.items():
-            window = f"window {c.n_swa}" if c.n_swa else "full"
-            n = len(c.layer_ids)
-            types = c.type_k if c.type_k == c.type_v else f"{c.type_k}/{c.type_v}"
-            titles[name] = f"{name} · {window} · {n} layer{'s' if n != 1 else ''} · {types}"
-        return titles
+        return {name: cache_title(c) for name, c in self.watcher.mirror.created.items()}
 
     def _visibility(self):
         seq = self.selected_seq

@@ -4,9 +4,10 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
+from engine.watch import style
 from engine.watch.device_mirror import DeviceMirror
 
-PART_COLORS = {"weights": "#0072B2", "kv": "#E69F00", "compute": "#999999"}
+PART_COLORS = style.MEMORY_PART_COLORS
 BAR_WIDTH = 18
 
 

@@ -114,3 +114,11 @@ def cell_map(owner, per_line: int = 64) -> list[str]:
     sequence id for one, 'M' for several; wrapped every `per_line` cells. owner: a frame's owner codes."""
     glyphs = ["." if o == EMPTY else "M" if o == SHARED else str(int(o)) for o in owner]
     return ["".join(glyphs[i:i + per_line]) for i in range(0, len(glyphs), per_line)]
+
+
+def cache_title(created: ev.ContextCreated) -> str:
+    """A cache as a lane's title says it: its name, window, layers and K/V types."""
+    window = f"window {created.n_swa}" if created.n_swa else "full"
+    n = len(created.layer_ids)
+    types = created.type_k if created.type_k == created.type_v else f"{created.type_k}/{created.type_v}"
+    return f"{created.cache} · {window} · {n} layer{'s' if n != 1 else ''} · {types}"

@@ -1,0 +1,12 @@
+"""kvscope's notebook explorer: plotly views of a session's KV cache, drawn from the watch layer.
+
+Like the terminal explorer (tui/), it imports only the session, `engine.watch` and `engine.events`;
+colours, glyph meanings and folding come from engine/watch/style.py, so both explorers read alike.
+
+    from explorer import CellGrid
+    grid = CellGrid.of(session)      # a FigureWidget: one heatmap per cache stream
+    session.step(8).result(); grid.update()
+"""
+from explorer.grid import CellGrid
+
+__all__ = ["CellGrid"]

@@ -1,0 +1,158 @@
+"""Cell grids as plotly heatmaps: one panel per cache stream, a cell per square coloured by sequence.
+
+Each panel is a heatmap of `columns` cells a row; its colour scale has one band per palette colour
+(sequence s: band s % 12), then "several sequences" and "empty", as engine/watch/style.py defines them
+for both explorers. Hovering a cell gives its index, position, sequences, pending shift and the last
+thing that happened to it (the watch layer's cell history). Markers show the head (where the next slot
+search starts), the cells changed since the previous update and those the last decode's dry run touched.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from engine.watch import style
+from engine.watch.describe import cache_title
+from engine.watch.frames import EMPTY, SHARED, Frame, StreamFrame
+from engine.watch.watcher import Watcher
+
+SHARED_BAND, EMPTY_BAND = len(style.PALETTE), len(style.PALETTE) + 1
+N_BANDS = len(style.PALETTE) + 2
+
+
+def colour_bands(owner: np.ndarray) -> np.ndarray:
+    """The colour band of each cell: its sequence's palette index, SHARED_BAND or EMPTY_BAND."""
+    owner = owner.astype(np.int64)
+    return np.where(owner == SHARED, SHARED_BAND, np.where(owner == EMPTY, EMPTY_BAND, owner % len(style.PALETTE)))
+
+
+def band_colorscale(dark: bool = True) -> list[list]:
+    """A plotly colour scale with a flat band per colour, for z in [-0.5, N_BANDS - 0.5]."""
+    colours = [*style.palette(dark), style.owner_color(SHARED, dark), style.EMPTY_FILL[dark]]
+    scale = []
+    for k, colour in enumerate(colours):
+        scale += [[k / N_BANDS, colour], [(k + 1) / N_BANDS, colour]]
+    return scale
+
+
+def as_rows(values: np.ndarray, columns: int, fill) -> np.ndarray:
+    """A lane's per-cell values as rows of `columns`, the last row padded with `fill`."""
+    rows = max(1, math.ceil(len(values) / columns))
+    out = np.full(rows * columns, fill, dtype=object if isinstance(fill, str) or fill is None else float)
+    out[:len(values)] = values
+    return out.reshape(rows, columns)
+
+
+class CellGrid:
+    """The cell grids of a watcher's caches as a plotly figure; update() polls and redraws."""
+
+    def __init__(self, watcher: Watcher, *, columns: int = 64, dark: bool = False, widget: bool = True) -> None:
+        """columns: cells per row; dark: colours for a dark page (JupyterLab's default theme is light);
+        widget: a FigureWidget (live in a notebook) or a plain Figure (for export and tests)."""
+        self.watcher, self.columns, self.dark = watcher, columns, dark
+        self.figure = go.FigureWidget() if widget else go.Figure()
+        self._lanes: tuple[tuple[str, int, int], ...] = ()  # (cache, stream, size) the figure is laid out for
+        self._hover: dict[tuple[str, int], np.ndarray] = {}  # per lane: the hover text of every cell
+        self.update()
+
+    @classmethod
+    def of(cls, source, **options) -> CellGrid:
+        """A grid of a Session or a RemoteSession (anything a Watcher can watch)."""
+        return cls(Watcher.of(source), **options)
+
+    def update(self) -> Frame:
+        """Apply what arrived, then redraw: the figure's layout only when the caches changed shape."""
+        self.watcher.poll()
+        frame = self.watcher.frame()
+        lanes = tuple((sf.cache, sf.stream, sf.size) for sf in frame.streams)
+        if lanes != self._lanes:
+            self._lay_out(frame)
+        with self.figure.batch_update():
+            for k, sf in enumerate(frame.streams):
+                self._draw_lane(k, sf)
+        return frame
+
+    # ---- drawing ----------------------------------------------------------------------------------
+    def _lay_out(self, frame: Frame) -> None:
+        self._lanes = tuple((sf.cache, sf.stream, sf.size) for sf in frame.streams)
+        self._hover = {}
+        n = max(1, len(frame.streams))
+        rows = [max(1, math.ceil(sf.size / self.columns)) for sf in frame.streams] or [1]
+        height = 60 + 20 * sum(rows) + 50 * n
+        layout = make_subplots(rows=n, cols=1, row_heights=[r / sum(rows) for r in rows],
+                               vertical_spacing=min(0.3, 45 / height) if n > 1 else 0.0,
+                               subplot_titles=[self._title(sf) for sf in frame.streams] or [""])
+        self.figure.data = []
+        self.figure.layout = layout.layout
+        for k, sf in enumerate(frame.streams):
+            # traces name their panel's axes: a FigureWidget shown in a notebook must stay the same object,
+            # so the subplot layout is copied into it rather than the figure replaced
+            axes = dict(xaxis=f"x{k + 1}" if k else "x", yaxis=f"y{k + 1}" if k else "y")
+            self.figure.add_traces([
+                go.Heatmap(z=as_rows(colour_bands(sf.owner), self.columns, np.nan), zmin=-0.5, zmax=N_BANDS - 0.5,
+                           colorscale=band_colorscale(self.dark), showscale=False, xgap=1, ygap=1,
+                           hovertemplate="%{text}<extra></extra>", name=f"{sf.cache} s{sf.stream}", **axes),
+                go.Scatter(mode="markers", name="changed", showlegend=k == 0, hoverinfo="skip", **axes,
+                           marker=dict(symbol="square-open", size=9, color="#D55E00")),
+                go.Scatter(mode="text", name="dry run", showlegend=k == 0, hoverinfo="skip", text=[], **axes,
+                           textfont=dict(color="#CC79A7")),
+                go.Scatter(mode="markers", name="head", showlegend=k == 0, hoverinfo="skip", **axes,
+                           marker=dict(symbol="triangle-down", size=10, color=style.HEAD_COLOR))])
+            suffix = str(k + 1) if k else ""
+            n_rows = max(1, math.ceil(sf.size / self.columns))
+            step = max(1, n_rows // 8)  # the first cell of every few rows, as the terminal explorer labels rows
+            self.figure.layout[f"yaxis{suffix}"].update(
+                autorange="reversed", showgrid=False, zeroline=False, tickvals=list(range(0, n_rows, step)),
+                ticktext=[str(r * self.columns) for r in range(0, n_rows, step)], tickfont=dict(size=9))
+            self.figure.layout[f"xaxis{suffix}"].update(showticklabels=False, showgrid=False, zeroline=False)
+        self.figure.update_layout(height=height, margin=dict(l=40, r=10, t=50, b=10),
+                                  plot_bgcolor="rgba(0,0,0,0)", legend=dict(orientation="h", y=1.02, yanchor="bottom"))
+
+    def _draw_lane(self, k: int, sf: StreamFrame) -> None:
+        heatmap, changed, dry_run, head = self.figure.data[4 * k:4 * k + 4]
+        heatmap.z = as_rows(colour_bands(sf.owner), self.columns, np.nan)
+        heatmap.text = as_rows(self._hover_texts(sf), self.columns, "")
+        self.figure.layout.annotations[k].text = self._title(sf)
+        x, y = self._xy(np.flatnonzero(sf.changed))
+        changed.x, changed.y = x, y
+        x, y = self._xy(np.flatnonzero(sf.tentative))
+        dry_run.x, dry_run.y, dry_run.text = x, y, [style.GLYPH_TENTATIVE] * len(x)
+        head.x, head.y = self._xy(np.array([sf.head] if sf.head < sf.size else [], dtype=np.int64))
+
+    def _xy(self, cells: np.ndarray) -> tuple[list[int], list[int]]:
+        return (cells % self.columns).tolist(), (cells // self.columns).tolist()
+
+    def _hover_texts(self, sf: StreamFrame) -> np.ndarray:
+        """Every cell's hover text; only the cells changed since the last update are described anew."""
+        key = (sf.cache, sf.stream)
+        texts = self._hover.get(key)
+        redo = np.arange(sf.size) if texts is None else np.flatnonzero(sf.changed)
+        if texts is None:
+            texts = self._hover[key] = np.empty(sf.size, dtype=object)
+        for cell in redo.tolist():
+            texts[cell] = self.describe_cell(sf, cell)
+        return texts
+
+    def describe_cell(self, sf: StreamFrame, cell: int) -> str:
+        """What hovering a cell says: where it is, what it holds, and its latest history."""
+        pos = int(sf.pos[cell])
+        where = f"{sf.cache} stream {sf.stream} · cell {cell}"
+        if pos < 0:
+            return f"{where}<br>empty"
+        bits = self.watcher.mirror.caches[sf.cache].streams[sf.stream].seq_bits[cell]
+        seqs = np.flatnonzero(np.unpackbits(bits, bitorder="little")).tolist()
+        text = f"{where} · pos {pos}<br>seq {', '.join(map(str, seqs))}"
+        if sf.shift[cell]:
+            text += f" · pending shift {int(sf.shift[cell]):+d}"
+        lines = self.watcher.history.lines(sf.cache, sf.stream, cell)
+        if lines:
+            text += "<br>" + lines[0]
+        return text
+
+    def _title(self, sf: StreamFrame) -> str:
+        created = self.watcher.mirror.created.get(sf.cache)
+        cache = cache_title(created) if created is not None else sf.cache
+        return f"{cache} · stream {sf.stream} · {sf.used}/{sf.size} cells · head {sf.head}"

@@ -1,0 +1,76 @@
+"""The notebook explorer's cell grid, without a browser: the figure's cells, markers and hover texts are
+the engine's cells, drawn from the watch layer only."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("plotly", reason="the notebook explorer needs the jupyter extra: pip install -e '.[jupyter]'")
+
+from engine.runners.session import Session  # noqa: E402
+from engine.runners.workloads import WorkloadSpec  # noqa: E402
+from engine.sampling import SamplerParams  # noqa: E402
+from explorer.grid import EMPTY_BAND, SHARED_BAND, CellGrid  # noqa: E402
+
+SETTINGS = dict(n_ctx=256, pad=64, n_seq_max=4, kv_unified=True, swa_full=True, swa_window=16)
+
+
+@pytest.fixture
+def session():
+    s = Session("demo", settings=SETTINGS, threaded=False,
+                workload=WorkloadSpec("generate", n_predict=30, sampler=SamplerParams(temperature=0.0, seed=1)))
+    yield s
+    s.close()
+
+
+def expected_bands(cells) -> list[int]:
+    return [EMPTY_BAND if not seqs else (min(seqs) % 12 if len(seqs) == 1 else SHARED_BAND) for _, seqs, _ in cells]
+
+
+def assert_grid_is_the_engine(grid: CellGrid, session: Session) -> None:
+    caches = {c.name: c for c in session.ctx.memory.caches()}
+    for k, (cache_name, stream, size) in enumerate(grid._lanes):
+        heatmap, _, _, head = grid.figure.data[4 * k:4 * k + 4]
+        cells = caches[cache_name].cells(stream)
+        z = np.array(heatmap.z, dtype=float).ravel()[:size]
+        assert z.astype(int).tolist() == expected_bands(cells)
+        text = np.array(heatmap.text, dtype=object).ravel()[:size]
+        for cell in (0, size // 2, size - 1):
+            pos = cells[cell][0]
+            assert (f"pos {pos}" in text[cell]) if pos >= 0 else text[cell].endswith("empty")
+        engine_head = caches[cache_name].head(stream)
+        assert list(head.x) == [engine_head % grid.columns] and list(head.y) == [engine_head // grid.columns]
+
+
+def test_the_grid_shows_the_engine_cells_after_steps_and_a_copy(session):
+    grid = CellGrid.of(session, columns=32, widget=False)
+    for prompt in ("And God said unto Moses", "In the beginning", "Blessed are they"):
+        session.add_prompt(prompt).result()
+    session.step(12).result()
+    grid.update()
+    assert [lane[0] for lane in grid._lanes] == ["base", "swa"]
+    assert_grid_is_the_engine(grid, session)
+    session.seq_cp(0, 3, -1, -1).result()
+    frame = grid.update()
+    assert_grid_is_the_engine(grid, session)
+    base = frame.stream("base")
+    shared = np.flatnonzero(base.n_seqs > 1)
+    assert len(shared) and set(shared.tolist()) <= set(np.flatnonzero(base.changed).tolist())
+    changed = grid.figure.data[1]
+    assert sorted(zip(changed.y, changed.x)) == sorted((c // 32, c % 32) for c in np.flatnonzero(base.changed))
+    hover = np.array(grid.figure.data[0].text, dtype=object).ravel()[shared[0]]
+    assert "seq 0, 3" in hover and "shared with seq 3" in hover  # the cell's latest history
+
+
+def test_a_rebuild_lays_the_grid_out_anew(session):
+    grid = CellGrid.of(session, columns=64, widget=False)
+    session.add_prompt("And God said unto Moses").result()
+    grid.update()
+    assert {lane[2] for lane in grid._lanes} == {256}
+    session.rebuild(**{**SETTINGS, "n_ctx": 512}).result()
+    session.add_prompt("In the beginning").result()
+    grid.update()
+    assert {lane[2] for lane in grid._lanes} == {512}
+    assert np.array(grid.figure.data[0].z).shape == (8, 64)
+    assert_grid_is_the_engine(grid, session)
+    assert "512 cells" in grid.figure.layout.annotations[0].text
