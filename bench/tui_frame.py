@@ -36,9 +36,11 @@ from tui.grid import CellGrid
 from tui.sources import Source, session_source
 
 
-def synthetic_frame(size: int) -> Frame:
+def synthetic_frame(size: int, shift: int = 0) -> Frame:
+    """A full cache of four sequences taking turns cell by cell (a run per glyph: the most segments a row
+    can have), every 17th cell shared; `shift` moves the sequences along, so that every row differs."""
     cells = np.arange(size)
-    owner = (cells % 4).astype(np.int16)
+    owner = ((cells + shift) % 4).astype(np.int16)
     owner[::17] = SHARED
     changed = np.zeros(size, dtype=bool)
     changed[-64:] = True
@@ -46,7 +48,9 @@ def synthetic_frame(size: int) -> Frame:
                                  np.zeros(size, dtype=np.int64), changed, np.zeros(size, dtype=bool), size // 2),))
 
 
-async def grid_ms(size: int, zoom: int, reps: int) -> float:
+async def grid_ms(size: int, zoom: int, reps: int, every_row_new: bool = True) -> float:
+    """Median ms of a frame: show() and render_line() of every visible line. every_row_new: cycle three
+    frames that differ in every row (the grid reuses rows that look as in the last two frames)."""
     class GridOnly(KvscopeApp.__bases__[0]):  # a bare App holding one grid
         def compose(self):
             yield CellGrid()
@@ -55,11 +59,11 @@ async def grid_ms(size: int, zoom: int, reps: int) -> float:
     async with app.run_test(size=(160, 48)):
         grid = app.query_one(CellGrid)
         grid.zoom = zoom
-        frame = synthetic_frame(size)
+        frames = [synthetic_frame(size, shift) for shift in ((0, 1, 2) if every_row_new else (0,))]
         times = []
-        for _ in range(reps):
+        for rep in range(reps):
             t0 = time.perf_counter()
-            grid.show(frame, {"kv": "kv · full attention"})
+            grid.show(frames[rep % len(frames)], {"kv": "kv · full attention"})
             for y in range(grid.size.height):
                 grid.render_line(y)
             times.append(time.perf_counter() - t0)
@@ -174,7 +178,9 @@ def main() -> None:
     for size in (4096, 32768, 131072):
         one = asyncio.run(grid_ms(size, 1, args.reps))
         folded = asyncio.run(grid_ms(size, max(1, size // (150 * 40)), args.reps))
-        print(f"grid of {size:>6} cells: {one:6.2f} ms at one cell per glyph, {folded:6.2f} ms folded to the screen")
+        same = asyncio.run(grid_ms(size, 1, args.reps, every_row_new=False))
+        print(f"grid of {size:>6} cells: {one:6.2f} ms at one cell per glyph, {folded:6.2f} ms folded to the screen "
+              f"(every row new); {same:6.2f} ms when the rows look as before")
     keys = asyncio.run(keys_while_generating(args.keys))
     print(f"keys while the demo generates: {_latency_text(keys)}")
     per_seconds = (25_000, 50_000, 100_000)

@@ -35,7 +35,7 @@ from tui.sources import Source
 from tui.status import StatusLine
 
 FRAMES_PER_SECOND = 20
-POLL_BUDGET_S = 0.025  # a frame absorbs events for this long at most, so that keys wait a frame at most
+POLL_BUDGET_S = 0.005  # a frame absorbs events for this long at most, so that keys wait a frame at most
 CATCHING_UP_DRAW_EVERY_S = 0.2  # with a backlog, redraw this often; the frames between only absorb
 UNDRAWN_KEPT = 200  # events kept for the log between two draws (it shows the latest of a burst)
 REPLAY_EVENTS_PER_FRAME = 25  # a playing replay: about 500 events a second

@@ -71,6 +71,8 @@ class CellGrid(ScrollView, can_focus=True, inherit_bindings=False):
         self._titles: dict[str, str] = {}
         self._overlays: dict[tuple[str, int], np.ndarray] = {}
         self._heat: dict[tuple[str, int], np.ndarray] = {}
+        self._strips: dict[tuple, Strip] = {}  # the rows drawn since the last frame, by what they show
+        self._previous_strips: dict[tuple, Strip] = {}  # those of the frame before
 
     # ---- what the app gives it -------------------------------------------------------------------
     def show(self, frame: Frame, titles: dict[str, str], overlays: dict[tuple[str, int], np.ndarray] | None = None,
@@ -79,6 +81,7 @@ class CellGrid(ScrollView, can_focus=True, inherit_bindings=False):
         its attention per cell, both by (cache, stream)."""
         self._frame, self._titles = frame, titles
         self._overlays, self._heat = overlays or {}, heat or {}
+        self._previous_strips, self._strips = self._strips, {}
         self._layout()
 
     def set_zoom(self, zoom: int) -> None:
@@ -174,11 +177,21 @@ class CellGrid(ScrollView, can_focus=True, inherit_bindings=False):
     def _row_strip(self, k: int, lane: Lane, row: int, base: Style) -> Strip:
         lo = row * lane.per_row
         hi = min(lo + lane.per_row, lane.n_glyphs)
-        segments = [Segment(f"{int(lane.folded.start[lo]):>5} ", base + DIM)]
         text, key = lane.text[lo:hi], lane.key[lo:hi].copy()
         cursor = self.cursor[1] - lo if self.cursor[0] == k else -1
         if 0 <= cursor < len(key):
             key[cursor] |= CURSOR_BIT
+        # Most rows look as they did in the previous frame: reuse their strips (keyed by what they show)
+        label = int(lane.folded.start[lo])
+        seen = (label, base, key.tobytes(), text.tobytes())
+        strip = self._strips.get(seen) or self._previous_strips.get(seen)
+        if strip is None:
+            strip = self._build_row(label, text, key, base)
+        self._strips[seen] = strip
+        return strip
+
+    def _build_row(self, label: int, text: np.ndarray, key: np.ndarray, base: Style) -> Strip:
+        segments = [Segment(f"{label:>5} ", base + DIM)]
         # one segment per run of equal style: a row is a few runs, not a glyph each
         bounds = np.flatnonzero(key[1:] != key[:-1]) + 1
         starts = np.r_[0, bounds]
