@@ -5,8 +5,10 @@ colours, glyph meanings and folding come from engine/watch/style.py, so both exp
 
     from explorer import CellGrid
     grid = CellGrid.of(session)      # a FigureWidget: one heatmap per cache stream
-    session.step(8).result(); grid.update()
+    bars = MemoryBars.of(session)    # weights / K/V / compute per device, and the layer map
+    session.step(8).result(); grid.update(); bars.update()
 """
 from explorer.grid import CellGrid
+from explorer.memory import MemoryBars
 
-__all__ = ["CellGrid"]
+__all__ = ["CellGrid", "MemoryBars"]

@@ -1,0 +1,68 @@
+"""Per-device memory bars as a plotly figure: weights, K/V and compute against each device's capacity
+(virtual devices labelled), and the layer-to-device map underneath; drawn from the watch layer's device
+mirror, in the part colours the terminal explorer uses (engine/watch/style.py)."""
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+from engine.watch import style
+from engine.watch.device_mirror import PARTS, DeviceMirror
+from engine.watch.watcher import Watcher
+
+PART_NAMES = {"weights": "weights", "kv": "K/V", "compute": "compute"}
+FREE_COLOR = "#E8E8E8"
+
+
+def mib(n: int) -> float:
+    return n / 2**20
+
+
+def layer_map_text(devices: DeviceMirror) -> str:
+    """Where each layer's weights live, as the terminal explorer writes it (C: the CPU, G: a GPU,
+    bold: a weight of it sent elsewhere by -ot), and the output layer's device."""
+    layers = devices.layer_map()
+    if not layers:
+        return ""
+    marks = "".join(f"<b>{m}</b>" if layer.overridden else m
+                    for layer in layers for m in ["C" if layer.device == "CPU" else "G"])
+    out = devices.placement.output_device if devices.placement else "?"
+    return f"layers {marks} │ output {out}"
+
+
+class MemoryBars:
+    """One stacked bar per device; update() polls the watcher and redraws."""
+
+    def __init__(self, watcher: Watcher, *, widget: bool = True) -> None:
+        self.watcher = watcher
+        self.figure = go.FigureWidget() if widget else go.Figure()
+        for part in PARTS:
+            self.figure.add_trace(go.Bar(orientation="h", name=PART_NAMES[part], marker_color=style.MEMORY_PART_COLORS[part],
+                                         hovertemplate="%{y}: %{x:.1f} MiB " + PART_NAMES[part] + "<extra></extra>"))
+        self.figure.add_trace(go.Bar(orientation="h", name="free", marker_color=FREE_COLOR,
+                                     hovertemplate="%{y}: %{x:.1f} MiB free<extra></extra>"))
+        self.figure.update_layout(barmode="stack", height=160, margin=dict(l=10, r=10, t=50, b=30),
+                                  xaxis_title="MiB",
+                                  legend=dict(orientation="h", x=1, xanchor="right", y=1.02, yanchor="bottom",
+                                              traceorder="normal"))
+        self.update()
+
+    @classmethod
+    def of(cls, source, **options) -> MemoryBars:
+        """Bars of a Session or a RemoteSession (anything a Watcher can watch)."""
+        return cls(Watcher.of(source), **options)
+
+    def update(self) -> None:
+        self.watcher.poll()
+        devices = self.watcher.mirror.devices
+        rows = list(devices.rows.values())
+        labels = [row.label for row in rows]
+        with self.figure.batch_update():
+            for trace, part in zip(self.figure.data, PARTS):
+                trace.x, trace.y = [mib(row.bytes.get(part, 0)) for row in rows], labels
+            free = self.figure.data[len(PARTS)]
+            # no known capacity (the host without a limit): no free part, the bar shows the parts' shares
+            free.x = [mib(max(0, row.capacity - row.used)) if row.capacity else 0 for row in rows]
+            free.y = labels
+            self.figure.layout.height = 120 + 40 * max(1, len(rows))
+            self.figure.layout.title = dict(text=layer_map_text(devices), font=dict(size=12), x=0.01, xanchor="left",
+                                            y=0.98, yanchor="top")
