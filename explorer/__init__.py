@@ -7,6 +7,7 @@ colours, glyph meanings and folding come from engine/watch/style.py, so both exp
     grid = CellGrid.of(session)      # a FigureWidget: one heatmap per cache stream
     bars = MemoryBars.of(session)    # weights / K/V / compute per device, and the layer map
     session.step(8).result(); grid.update(); bars.update()
+    grid.follow(session)             # or: redrawn live by the session's worker after each change
 """
 from explorer.grid import CellGrid
 from explorer.memory import MemoryBars

@@ -46,6 +46,12 @@ class MemoryBars:
                                               traceorder="normal"))
         self.update()
 
+    def follow(self, session, every_s: float = 0.2):
+        """Redraw live: the session's worker calls update() after its steps and commands (at most every
+        `every_s` seconds, and after the last change). Call only this from then on, not update() by hand
+        as well; returns a function that stops it."""
+        return session.on_change(self.update, every_s)
+
     @classmethod
     def of(cls, source, **options) -> MemoryBars:
         """Bars of a Session or a RemoteSession (anything a Watcher can watch)."""

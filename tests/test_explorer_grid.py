@@ -74,3 +74,19 @@ def test_a_rebuild_lays_the_grid_out_anew(session):
     assert np.array(grid.figure.data[0].z).shape == (8, 64)
     assert_grid_is_the_engine(grid, session)
     assert "512 cells" in grid.figure.layout.annotations[0].text
+
+
+def test_a_grid_follows_a_running_session_from_its_worker():
+    import time
+
+    with Session("demo", settings=SETTINGS, workload=WorkloadSpec("generate", n_predict=20)) as threaded:
+        grid = CellGrid.of(threaded, columns=64, widget=False)
+        stop = grid.follow(threaded, every_s=0.1)
+        threaded.add_prompt("And God said unto Moses").result()
+        threaded.step(10).result()
+        time.sleep(0.5)  # the last redraw comes by itself
+        stop()
+        engine = threaded.engine_cells().result()
+        for k, (cache, stream, size) in enumerate(grid._lanes):
+            z = np.array(grid.figure.data[4 * k].z, dtype=float).ravel()[:size]
+            assert z.astype(int).tolist() == expected_bands(engine[cache]["cells"][stream])

@@ -339,3 +339,37 @@ def test_a_running_session_that_ran_dry_resumes_when_given_work(llama):
         session.add_prompt("second").result(10)
         wait_for_step(session, steps + 3, timeout=20)  # it resumed by itself: 1 prefill and 2 decodes
         assert session.status().state in ("running", "idle")
+
+
+def test_on_change_redraws_from_the_worker_coalesced_and_ends_on_the_final_state():
+    seen, threads = [], set()
+    with Session("demo", settings=dict(n_ctx=256, n_seq_max=2, kv_unified=True, swa_full=True),
+                 workload=WorkloadSpec("generate", n_predict=64, sampler=SamplerParams(temperature=0.0, seed=1))) as s:
+        def redraw():
+            threads.add(threading.current_thread().name)
+            seen.append(s.ctx.memory.base.used(0))  # the worker may read the engine: nothing else runs
+
+        remove = s.on_change(redraw, every_s=0.5)
+        s.add_prompt("And God said unto Moses").result()
+        s.step(24).result()
+        time.sleep(0.8)  # the last change's redraw waits for its turn, then comes by itself
+        assert threads == {"kvscope-session"}
+        final = s.engine_cells().result()["base"]["cells"][0]
+        assert seen and seen[-1] == sum(1 for p, _, _ in final if p >= 0)
+        assert len(seen) <= 6  # 25 changes in well under 2 s, drawn a few times, not 25
+        n = len(seen)
+        remove()
+        s.step(2).result()
+        time.sleep(0.6)
+        assert len(seen) == n
+
+
+def test_a_failing_on_change_is_an_event_and_the_worker_goes_on():
+    with Session("demo", settings=dict(n_ctx=256, n_seq_max=2, kv_unified=True, swa_full=True),
+                 workload=WorkloadSpec("generate", n_predict=8)) as s:
+        sub = s.subscribe(kinds=(ev.CommandDone,))
+        s.on_change(lambda: 1 / 0, every_s=0.0)
+        s.add_prompt("In the beginning").result()
+        assert len(s.step(3).result()) == 3
+        failed = [e for e in sub.drain() if e.command == "on_change"]
+        assert failed and not failed[0].ok and "ZeroDivisionError" in failed[0].error

@@ -58,6 +58,16 @@ class _Command:
     quiet: bool = False  # no CommandDone event on success (internal queries)
 
 
+@dataclass(eq=False)
+class _Redraw:
+    """An on_change callback and when it may run next."""
+
+    callback: Callable[[], None]
+    every_s: float
+    due_at: float = 0.0
+    pending: bool = False  # a step or command came since it last ran
+
+
 class Session:
     """A context and its workload, changed only through commands (see the module docstring)."""
 
@@ -72,6 +82,7 @@ class Session:
         self._step_requests: list[tuple[int, list[StepOutcome], Future]] = []
         self._last_step_start = 0.0
         self._heap_released_at = time.monotonic()
+        self._redraws: list[_Redraw] = []  # on_change callbacks (views), run by the worker
         self._lock = threading.Lock()  # guards what status() reads
         self._queue: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._closed = False
@@ -114,6 +125,25 @@ class Session:
         """A watcher's subscription: the session's current state first, then every event."""
         return self.bus.subscribe(maxsize, kinds)
 
+    def on_change(self, callback: Callable[[], None], every_s: float = 0.2) -> Callable[[], None]:
+        """Call `callback` on the session's worker after steps and commands change something: at most
+        every `every_s` seconds while they come quickly, and once more after the last of them, so that a
+        view redrawn from it ends on the final state. This is how a front-end that may not start a thread
+        of its own (the notebook explorer) updates live; the callback runs between steps, so it delays
+        the next one by its own time. A failing callback is published as a CommandDone error and kept.
+        Returns a function that removes it."""
+        if every_s < 0:
+            raise KvscopeError(f"on_change: every_s must be >= 0, got {every_s}")
+        redraw = _Redraw(callback, float(every_s))
+        with self._lock:
+            self._redraws.append(redraw)
+
+        def remove() -> None:
+            with self._lock:
+                if redraw in self._redraws:
+                    self._redraws.remove(redraw)
+        return remove
+
     def estimate(self, **settings):
         """What the context would hold per device with these settings instead of the current ones (from
         file headers only; nothing changes). The model loaded in memory is estimated by its path."""
@@ -146,6 +176,7 @@ class Session:
             while len(done) < n and (not done or done[-1].phase != "idle"):
                 done.append(self._do_one_step())
             future.set_result(done)
+            self._changed()
             return future
         return self._submit("step", lambda: self._step_requests.append((n, [], future)) or future, f"n={n}",
                             chain=future)
@@ -282,14 +313,40 @@ class Session:
                 continue  # every queued command before the next step
             if self._wants_step():
                 self._timed_step()
+            self._run_due_redraws()
 
     def _wait_time(self) -> float | None:
-        """How long the worker may wait for a command: forever when no step is due."""
+        """How long the worker may wait for a command: until the next step or the next redraw that waits
+        for its turn; forever when neither is due."""
+        redraw = self._redraw_wait()
         if not self._wants_step():
-            return None
+            return redraw
         if self._speed <= 0 or self._step_requests:
             return 0.0
-        return max(0.0, self._last_step_start + 1.0 / self._speed - time.monotonic())
+        step = max(0.0, self._last_step_start + 1.0 / self._speed - time.monotonic())
+        return step if redraw is None else min(step, redraw)
+
+    def _redraw_wait(self) -> float | None:
+        pending = [r.due_at for r in self._redraws if r.pending]
+        return max(0.0, min(pending) - time.monotonic()) if pending else None
+
+    def _changed(self) -> None:
+        """A step or a command may have changed what views show: their redraws are pending."""
+        for redraw in self._redraws:
+            redraw.pending = True
+        # stepped by hand (no worker to come back later): every view now
+        self._run_due_redraws(every_pending=not self.threaded)
+
+    def _run_due_redraws(self, every_pending: bool = False) -> None:
+        with self._lock:
+            due = [r for r in self._redraws if r.pending and (every_pending or time.monotonic() >= r.due_at)]
+        for redraw in due:
+            redraw.pending, redraw.due_at = False, time.monotonic() + redraw.every_s
+            try:
+                redraw.callback()
+            except Exception as e:  # noqa: BLE001 - a view's failure must never end the worker
+                self._publish(ev.CommandDone("on_change", getattr(redraw.callback, "__name__", "callback"), False,
+                                             f"{type(e).__name__}: {e}", 0.0))
 
     def _wants_step(self) -> bool:
         """A step is due: one was asked for, or the session runs ("idle": running with nothing to do, until
@@ -311,6 +368,7 @@ class Session:
         command.future.set_result(result)
         if not command.quiet:
             self._publish(ev.CommandDone(command.name, command.args, True, "", (time.perf_counter() - t0) * 1e3))
+            self._changed()
 
     def _timed_step(self) -> None:
         self._last_step_start = time.monotonic()
@@ -324,6 +382,7 @@ class Session:
             if len(done) >= n or outcome.phase == "idle":
                 self._step_requests.pop(0)
                 future.set_result(done)
+        self._changed()
 
     def _do_one_step(self) -> StepOutcome:
         t0 = time.perf_counter()
