@@ -17,9 +17,11 @@ from plotly.subplots import make_subplots
 from engine.watch import style
 from engine.watch.describe import cache_title
 from engine.watch.frames import EMPTY, SHARED, Frame, StreamFrame
+from engine.watch.visibility import CellVisibility, SequenceVisibility, visibility
 from engine.watch.watcher import Watcher
 
 SHARED_BAND, EMPTY_BAND = len(style.PALETTE), len(style.PALETTE) + 1
+TRACES_PER_LANE = 5  # the cells, then markers: changed, dry run, head, masked for the selected sequence
 N_BANDS = len(style.PALETTE) + 2
 
 
@@ -56,7 +58,14 @@ class CellGrid:
         self.figure = go.FigureWidget() if widget else go.Figure()
         self._lanes: tuple[tuple[str, int, int], ...] = ()  # (cache, stream, size) the figure is laid out for
         self._hover: dict[tuple[str, int], np.ndarray] = {}  # per lane: the hover text of every cell
+        self.selected_seq: int | None = None  # whose window (SWA visibility) is drawn
         self.update()
+
+    def select(self, seq_id: int | None) -> Frame:
+        """Show what the next token of `seq_id` sees (None: no sequence): its cells outside the sliding
+        window are crossed, and each panel's title says how many cells it attends to."""
+        self.selected_seq = seq_id
+        return self.update()
 
     def follow(self, session, every_s: float = 0.2):
         """Redraw live: the session's worker calls update() after its steps and commands (at most every
@@ -76,10 +85,19 @@ class CellGrid:
         lanes = tuple((sf.cache, sf.stream, sf.size) for sf in frame.streams)
         if lanes != self._lanes:
             self._lay_out(frame)
+        seen = self._visibility()
         with self.figure.batch_update():
             for k, sf in enumerate(frame.streams):
-                self._draw_lane(k, sf)
+                self._draw_lane(k, sf, seen)
         return frame
+
+    def _visibility(self) -> SequenceVisibility | None:
+        if self.selected_seq is None or not self.watcher.mirror.caches:
+            return None
+        try:
+            return visibility(self.watcher.mirror, self.selected_seq)
+        except ValueError:
+            return None  # the sequence holds no cell (yet, or any more)
 
     # ---- drawing ----------------------------------------------------------------------------------
     def _lay_out(self, frame: Frame) -> None:
@@ -106,7 +124,9 @@ class CellGrid:
                 go.Scatter(mode="text", name="dry run", showlegend=k == 0, hoverinfo="skip", text=[], **axes,
                            textfont=dict(color="#CC79A7")),
                 go.Scatter(mode="markers", name="head", showlegend=k == 0, hoverinfo="skip", **axes,
-                           marker=dict(symbol="triangle-down", size=10, color=style.HEAD_COLOR))])
+                           marker=dict(symbol="triangle-down", size=10, color=style.HEAD_COLOR)),
+                go.Scatter(mode="markers", name="outside the window", showlegend=k == 0, hoverinfo="skip", **axes,
+                           marker=dict(symbol="x-thin-open", size=9, color="#222222", line=dict(width=2)))])
             suffix = str(k + 1) if k else ""
             n_rows = max(1, math.ceil(sf.size / self.columns))
             step = max(1, n_rows // 8)  # the first cell of every few rows, as the terminal explorer labels rows
@@ -117,11 +137,16 @@ class CellGrid:
         self.figure.update_layout(height=height, margin=dict(l=40, r=10, t=50, b=10),
                                   plot_bgcolor="rgba(0,0,0,0)", legend=dict(orientation="h", y=1.02, yanchor="bottom"))
 
-    def _draw_lane(self, k: int, sf: StreamFrame) -> None:
-        heatmap, changed, dry_run, head = self.figure.data[4 * k:4 * k + 4]
+    def _draw_lane(self, k: int, sf: StreamFrame, seen: SequenceVisibility | None) -> None:
+        heatmap, changed, dry_run, head, masked = self.figure.data[TRACES_PER_LANE * k:TRACES_PER_LANE * (k + 1)]
         heatmap.z = as_rows(colour_bands(sf.owner), self.columns, np.nan)
         heatmap.text = as_rows(self._hover_texts(sf), self.columns, "")
-        self.figure.layout.annotations[k].text = self._title(sf)
+        window = seen.caches.get(sf.cache) if seen is not None else None
+        if window is not None and window.stream != sf.stream:
+            window = None
+        masked.x, masked.y = self._xy(window.cells(CellVisibility.MASKED) if window is not None
+                                      else np.array([], dtype=np.int64))
+        self.figure.layout.annotations[k].text = self._title(sf) + (f"<br>{window.describe()}" if window else "")
         x, y = self._xy(np.flatnonzero(sf.changed))
         changed.x, changed.y = x, y
         x, y = self._xy(np.flatnonzero(sf.tentative))

@@ -10,7 +10,7 @@ pytest.importorskip("plotly", reason="the notebook explorer needs the jupyter ex
 from engine.runners.session import Session  # noqa: E402
 from engine.runners.workloads import WorkloadSpec  # noqa: E402
 from engine.sampling import SamplerParams  # noqa: E402
-from explorer.grid import EMPTY_BAND, SHARED_BAND, CellGrid  # noqa: E402
+from explorer.grid import EMPTY_BAND, SHARED_BAND, TRACES_PER_LANE, CellGrid  # noqa: E402
 
 SETTINGS = dict(n_ctx=256, pad=64, n_seq_max=4, kv_unified=True, swa_full=True, swa_window=16)
 
@@ -30,7 +30,7 @@ def expected_bands(cells) -> list[int]:
 def assert_grid_is_the_engine(grid: CellGrid, session: Session) -> None:
     caches = {c.name: c for c in session.ctx.memory.caches()}
     for k, (cache_name, stream, size) in enumerate(grid._lanes):
-        heatmap, _, _, head = grid.figure.data[4 * k:4 * k + 4]
+        heatmap, _, _, head, _ = grid.figure.data[TRACES_PER_LANE * k:TRACES_PER_LANE * (k + 1)]
         cells = caches[cache_name].cells(stream)
         z = np.array(heatmap.z, dtype=float).ravel()[:size]
         assert z.astype(int).tolist() == expected_bands(cells)
@@ -88,5 +88,28 @@ def test_a_grid_follows_a_running_session_from_its_worker():
         stop()
         engine = threaded.engine_cells().result()
         for k, (cache, stream, size) in enumerate(grid._lanes):
-            z = np.array(grid.figure.data[4 * k].z, dtype=float).ravel()[:size]
+            z = np.array(grid.figure.data[TRACES_PER_LANE * k].z, dtype=float).ravel()[:size]
             assert z.astype(int).tolist() == expected_bands(engine[cache]["cells"][stream])
+
+
+def test_selecting_a_sequence_crosses_its_cells_outside_the_sliding_window():
+    settings = {**SETTINGS, "swa_full": False, "swa_window": 8}
+    with Session("demo", settings=settings, threaded=False,
+                 workload=WorkloadSpec("generate", n_predict=30, sampler=SamplerParams(temperature=0.0, seed=1))) as s:
+        s.add_prompt("And God said unto Moses, and the LORD spake").result()
+        s.step(6).result()
+        grid = CellGrid.of(s, columns=32, widget=False)
+        assert not any(len(grid.figure.data[TRACES_PER_LANE * k + 4].x or ()) for k in range(len(grid._lanes)))
+        grid.select(0)
+        lanes = [lane[0] for lane in grid._lanes]
+        swa = lanes.index("swa")
+        masked = grid.figure.data[TRACES_PER_LANE * swa + 4]
+        cells = s.engine_cells().result()["swa"]["cells"][0]
+        held = sorted(c for c, (p, seqs, _) in enumerate(cells) if 0 in seqs)
+        newest = max(cells[c][0] for c in held)
+        outside = [c for c in held if newest + 1 - cells[c][0] >= 8]  # llama.cpp: masked when p1 - p0 >= n_swa
+        assert outside and sorted(y * 32 + x for x, y in zip(masked.x, masked.y)) == outside
+        assert "seq 0's next token sees" in grid.figure.layout.annotations[swa].text
+        assert not grid.figure.data[TRACES_PER_LANE * lanes.index("base") + 4].x  # full attention: sees all
+        grid.select(None)
+        assert not grid.figure.data[TRACES_PER_LANE * swa + 4].x
