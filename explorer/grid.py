@@ -19,6 +19,7 @@ from engine.watch.describe import cache_title
 from engine.watch.frames import EMPTY, SHARED, Frame, StreamFrame
 from engine.watch.visibility import CellVisibility, SequenceVisibility, visibility
 from engine.watch.watcher import Watcher
+from explorer.view import WatcherView
 
 SHARED_BAND, EMPTY_BAND = len(style.PALETTE), len(style.PALETTE) + 1
 TRACES_PER_LANE = 5  # the cells, then markers: changed, dry run, head, masked for the selected sequence
@@ -48,7 +49,7 @@ def as_rows(values: np.ndarray, columns: int, fill) -> np.ndarray:
     return out.reshape(rows, columns)
 
 
-class CellGrid:
+class CellGrid(WatcherView):
     """The cell grids of a watcher's caches as a plotly figure; update() polls and redraws."""
 
     def __init__(self, watcher: Watcher, *, columns: int = 64, dark: bool = False, widget: bool = True) -> None:
@@ -66,17 +67,6 @@ class CellGrid:
         window are crossed, and each panel's title says how many cells it attends to."""
         self.selected_seq = seq_id
         return self.update()
-
-    def follow(self, session, every_s: float = 0.2):
-        """Redraw live: the session's worker calls update() after its steps and commands (at most every
-        `every_s` seconds, and after the last change). Call only this from then on, not update() by hand
-        as well; returns a function that stops it."""
-        return session.on_change(self.update, every_s)
-
-    @classmethod
-    def of(cls, source, **options) -> CellGrid:
-        """A grid of a Session or a RemoteSession (anything a Watcher can watch)."""
-        return cls(Watcher.of(source), **options)
 
     def update(self) -> Frame:
         """Apply what arrived, then redraw: the figure's layout only when the caches changed shape."""

@@ -8,6 +8,7 @@ import plotly.graph_objects as go
 from engine.watch import style
 from engine.watch.device_mirror import PARTS, DeviceMirror
 from engine.watch.watcher import Watcher
+from explorer.view import WatcherView
 
 PART_NAMES = {"weights": "weights", "kv": "K/V", "compute": "compute"}
 FREE_COLOR = "#E8E8E8"
@@ -29,7 +30,7 @@ def layer_map_text(devices: DeviceMirror) -> str:
     return f"layers {marks} │ output {out}"
 
 
-class MemoryBars:
+class MemoryBars(WatcherView):
     """One stacked bar per device; update() polls the watcher and redraws."""
 
     def __init__(self, watcher: Watcher, *, widget: bool = True) -> None:
@@ -45,17 +46,6 @@ class MemoryBars:
                                   legend=dict(orientation="h", x=1, xanchor="right", y=1.02, yanchor="bottom",
                                               traceorder="normal"))
         self.update()
-
-    def follow(self, session, every_s: float = 0.2):
-        """Redraw live: the session's worker calls update() after its steps and commands (at most every
-        `every_s` seconds, and after the last change). Call only this from then on, not update() by hand
-        as well; returns a function that stops it."""
-        return session.on_change(self.update, every_s)
-
-    @classmethod
-    def of(cls, source, **options) -> MemoryBars:
-        """Bars of a Session or a RemoteSession (anything a Watcher can watch)."""
-        return cls(Watcher.of(source), **options)
 
     def update(self) -> None:
         self.watcher.poll()
