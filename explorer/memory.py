@@ -21,13 +21,11 @@ def mib(n: int) -> float:
 def layer_map_text(devices: DeviceMirror) -> str:
     """Where each layer's weights live, as the terminal explorer writes it (C: the CPU, G: a GPU,
     bold: a weight of it sent elsewhere by -ot), and the output layer's device."""
-    layers = devices.layer_map()
-    if not layers:
+    letters, out = devices.layer_letters()
+    if not letters:
         return ""
-    marks = "".join(f"<b>{m}</b>" if layer.overridden else m
-                    for layer in layers for m in ["C" if layer.device == "CPU" else "G"])
-    out = devices.placement.output_device if devices.placement else "?"
-    return f"layers {marks} │ output {out}"
+    marks = "".join(f"<b>{letter}</b>" if overridden else letter for letter, overridden in letters)
+    return f"layers {marks} │ output {out or '?'}"
 
 
 class MemoryBars(WatcherView):

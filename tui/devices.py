@@ -39,11 +39,10 @@ class DeviceBars(Static):
         text.append("K/V", style=PART_COLORS["kv"])
         text.append(" · ")
         text.append("compute", style=PART_COLORS["compute"])
-        layers = devices.layer_map()
-        if layers:
+        letters, out = devices.layer_letters()
+        if letters:
             text.append("\nlayers ")
-            for layer in layers:
-                text.append("C" if layer.device == "CPU" else "G", style="bold" if layer.overridden else "")
-            out = devices.placement.output_device if devices.placement else "?"
-            text.append(f" │ output {out}")
+            for letter, overridden in letters:
+                text.append(letter, style="bold" if overridden else "")
+            text.append(f" │ output {out or '?'}")
         self.update(text)

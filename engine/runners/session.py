@@ -327,13 +327,15 @@ class Session:
         return step if redraw is None else min(step, redraw)
 
     def _redraw_wait(self) -> float | None:
-        pending = [r.due_at for r in self._redraws if r.pending]
+        with self._lock:
+            pending = [r.due_at for r in self._redraws if r.pending]
         return max(0.0, min(pending) - time.monotonic()) if pending else None
 
     def _changed(self) -> None:
         """A step or a command may have changed what views show: their redraws are pending."""
-        for redraw in self._redraws:
-            redraw.pending = True
+        with self._lock:  # on_change may add or remove one from another thread meanwhile
+            for redraw in self._redraws:
+                redraw.pending = True
         # stepped by hand (no worker to come back later): every view now
         self._run_due_redraws(every_pending=not self.threaded)
 

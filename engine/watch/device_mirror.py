@@ -75,6 +75,14 @@ class DeviceMirror:
         """Each layer's device name (empty until a ModelPlaced arrived)."""
         return self.placement.layer_devices if self.placement else ()
 
+    def layer_letters(self) -> tuple[list[tuple[str, bool]], str]:
+        """The layer map as both explorers write it: per layer "C" (its weights on the CPU) or "G" (a GPU)
+        and whether -ot sent one of its weights elsewhere; and the output layer's device ("" before the
+        model was placed)."""
+        letters = [("C" if layer.device == "CPU" else "G", bool(layer.overridden)) for layer in self.layer_map()]
+        out = self.placement.output_device if self.placement else ""
+        return letters, out
+
     def layer_map(self) -> list[LayerPlacement]:
         """One row per layer for a layer/device map: where its weights and its K/V live, and which of
         its weights an -ot pattern sent elsewhere (empty until a ModelPlaced arrived)."""
