@@ -31,9 +31,9 @@ from engine.runners.session import Session
 from engine.watch.frames import SHARED, Frame, StreamFrame
 from engine.watch.watcher import Watcher
 from tui.app import KvscopeApp
-from tui.demo import DEMO_SETTINGS, DEMO_WORKLOAD
+from engine.runners.demo import DEMO_SETTINGS, DEMO_WORKLOAD
 from tui.grid import CellGrid
-from tui.sources import Source, session_source
+from engine.watch.sources import Source, session_source
 
 
 def synthetic_frame(size: int, shift: int = 0) -> Frame:

@@ -47,7 +47,7 @@ def run_tui(args: argparse.Namespace, *, demo: bool) -> int:
 
 
 def _source(args: argparse.Namespace, demo: bool, *, threaded: bool):
-    from tui.sources import remote_source, replay_source, session_source
+    from engine.watch.sources import remote_source, replay_source, session_source
 
     if args.connect:
         from engine.watch.remote import RemoteSession
@@ -58,7 +58,7 @@ def _source(args: argparse.Namespace, demo: bool, *, threaded: bool):
             raise KvscopeError("--replay needs a terminal: it is stepped by hand")
         return replay_source(args.replay)
     if demo:
-        from tui.demo import demo_session
+        from engine.runners.demo import demo_session
 
         session = demo_session(threaded=threaded, steps_per_second=8.0 if threaded else 0.0)
         if threaded:

@@ -15,7 +15,7 @@ from engine.watch.frames import EMPTY, SHARED
 from tui.app import KvscopeApp
 from tui.grid import CellGrid
 from tui.screens import HelpScreen, PromptScreen, SettingsScreen
-from tui.sources import session_source
+from engine.watch.sources import session_source
 
 pytestmark = pytest.mark.anyio
 GREEDY = SamplerParams(temperature=0.0, seed=1)
@@ -178,7 +178,7 @@ async def test_settings_estimate_then_apply_rebuilds(session):
         field = app.screen.query_one("#set-n_ctx")
         field.value = "not a number"
         await pilot.click("#estimate-button")
-        assert "n_ctx: 'not a number' is not a number" in str(app.screen.query_one("#estimate").render())
+        assert "n_ctx: 'not a number' is not a whole number" in str(app.screen.query_one("#estimate").render())
         field.value = "512"
         await pilot.click("#estimate-button")
         assert "fits: True" in str(app.screen.query_one("#estimate").render())
@@ -229,7 +229,7 @@ def test_the_demo_without_a_terminal():
 
 async def test_a_replayed_recording_shows_the_final_grid_and_steps_back(session, tmp_path):
     from engine.watch import Recorder
-    from tui.sources import replay_source
+    from engine.watch.sources import replay_source
 
     path = tmp_path / "run.kvtrace"
     recorder = Recorder(path, keyframe_every=100)
@@ -308,7 +308,7 @@ async def test_keys_answer_while_a_burst_of_events_is_absorbed():
     from textual import events as keys
 
     from engine.watch.watcher import Watcher
-    from tui.sources import Source
+    from engine.watch.sources import Source
     from tui.status import StatusLine
 
     ctx, events = burst_of_events(150_000)  # a watcher needs a second or more to absorb them
@@ -347,7 +347,7 @@ async def test_keys_answer_while_a_burst_of_events_is_absorbed():
 
 async def test_arrows_move_the_cursor_when_the_lanes_overflow_the_screen():
     from engine.watch.watcher import Watcher
-    from tui.sources import Source
+    from engine.watch.sources import Source
 
     _, events = burst_of_events(0, cells_per_stream=512)  # four lanes of 512 cells: taller than the grid
     app = KvscopeApp(Source("session", Watcher(_Burst(events))))
@@ -365,7 +365,7 @@ async def test_arrows_move_the_cursor_when_the_lanes_overflow_the_screen():
 async def test_cells_read_on_a_dark_and_on_a_light_theme():
     from engine.watch import style
     from engine.watch.watcher import Watcher
-    from tui.sources import Source
+    from engine.watch.sources import Source
 
     _, events = burst_of_events(0)  # four sequences in four streams
     app = KvscopeApp(Source("session", Watcher(_Burst(events))))

@@ -13,7 +13,7 @@ from tests.test_remote import Server, free_port_pair
 from tui.app import KvscopeApp
 from tui.grid import CellGrid
 from tui.screens import PromptScreen
-from tui.sources import remote_source
+from engine.watch.sources import remote_source
 from tui.status import StatusLine
 
 pytestmark = pytest.mark.anyio

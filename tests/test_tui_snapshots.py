@@ -16,10 +16,10 @@ from engine.watch.recorder import Recorder
 from engine.watch.recording import RecordingReader
 from engine.watch.replay import Replay
 from tui.app import KvscopeApp
-from tui.demo import DEMO_SETTINGS, DEMO_WORKLOAD
+from engine.runners.demo import DEMO_SETTINGS, DEMO_WORKLOAD
 from tui.grid import CellGrid
 from tui.inspector import CellInspector
-from tui.sources import Source
+from engine.watch.sources import Source
 
 STEPS = 48  # past the demo's first failed slot search and first context shift
 TIMED = {"time": 0.0, "ms": 0.0, "ms_total": 0.0}

@@ -31,7 +31,7 @@ from tui.event_log import EventLog
 from tui.grid import CellGrid
 from tui.inspector import CellInspector
 from tui.screens import HelpScreen, PromptScreen, SettingsScreen
-from tui.sources import Source
+from engine.watch.sources import Source
 from tui.status import StatusLine
 
 FRAMES_PER_SECOND = 20

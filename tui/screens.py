@@ -10,6 +10,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
 from engine.watch import style
+from engine.watch.settings_form import SETTINGS, estimate_lines, parse_settings, shown
 
 HELP = """\
 [b]kvscope[/b] shows a KV cache the way llama.cpp keeps it: each cache stream is a lane of cells.
@@ -81,17 +82,6 @@ class PromptScreen(ModalScreen[str | None]):
         self.dismiss(None)
 
 
-SETTINGS = (  # name, kind, what it is
-    ("n_ctx", int, "cells in all (-c)"), ("pad", int, "padding of sizes (llama.cpp: 256)"),
-    ("n_seq_max", int, "sequences (-np)"), ("kv_unified", bool, "one stream for all (-kvu)"),
-    ("type_k", str, "K cache type (-ctk)"), ("type_v", str, "V cache type (-ctv)"),
-    ("swa_full", bool, "full-size SWA cache (--swa-full)"), ("swa_window", int, "sliding window (--swa-window)"),
-    ("n_gpu_layers", int, "layers offloaded (-ngl)"), ("tensor_split", list, "split across GPUs (-ts 3,1)"),
-    ("offload_kqv", bool, "K/V on the layers' devices (off: -nkvo)"),
-    ("devices", list, "virtual GPUs (VGPU0=2GiB,VGPU1=1GiB)"),
-)
-
-
 class SettingsScreen(ModalScreen[dict | None]):
     """Context settings. Estimate shows what each device would hold; Apply rebuilds the context."""
 
@@ -118,7 +108,7 @@ class SettingsScreen(ModalScreen[dict | None]):
             with Grid():
                 for name, _, what in SETTINGS:
                     yield Label(name)
-                    yield Input(value=_shown(self.current.get(name)), id=f"set-{name}")
+                    yield Input(value=shown(self.current.get(name)), id=f"set-{name}")
                     yield Label(what)
             yield Static("", id="estimate")
             with Horizontal():
@@ -128,13 +118,7 @@ class SettingsScreen(ModalScreen[dict | None]):
 
     def parsed(self) -> dict:
         """The fields as settings; a field that does not parse raises ValueError naming it."""
-        out = {}
-        for name, kind, _ in SETTINGS:
-            raw = self.query_one(f"#set-{name}", Input).value.strip()
-            if raw in ("", "None", "default"):
-                continue
-            out[name] = _parse(name, kind, raw)
-        return out
+        return parse_settings({name: self.query_one(f"#set-{name}", Input).value for name, _, _ in SETTINGS})
 
     def show_estimate(self) -> bool:
         box = self.query_one("#estimate", Static)
@@ -144,16 +128,9 @@ class SettingsScreen(ModalScreen[dict | None]):
         except Exception as e:  # noqa: BLE001 - any bad value is told here, never a crash
             box.update(Text(f"cannot use these settings: {e}", style="bold red"))
             return False
-        data = result.to_dict() if hasattr(result, "to_dict") else result
-        lines = [f"fits: {data.get('fits')}"]
-        for d in data.get("devices", []):
-            cap = f" of {d['capacity'] / 2**20:.0f} MiB" if d.get("capacity") else ""
-            lines.append(f"{d['device']:<10} weights {d['model_bytes'] / 2**20:8.1f} MiB · K/V "
-                         f"{d['kv_bytes'] / 2**20:8.1f} MiB · compute {d['compute_bytes'] / 2**20:8.1f} MiB · "
-                         f"total {d['total_bytes'] / 2**20:8.1f} MiB{cap}" + (" (virtual)" if d.get("virtual") else "")
-                         + ("" if d.get("fits", True) else "  DOES NOT FIT"))
+        fits, lines = estimate_lines(result)
         box.update("\n".join(lines))
-        return bool(data.get("fits", True))
+        return fits
 
     def on_input_submitted(self) -> None:
         self.show_estimate()
@@ -168,27 +145,3 @@ class SettingsScreen(ModalScreen[dict | None]):
 
     def action_cancel(self) -> None:
         self.dismiss(None)
-
-
-def _shown(value) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, (list, tuple)):
-        return ",".join(str(v) for v in value)
-    return str(value)
-
-
-def _parse(name: str, kind: type, raw: str):
-    try:
-        if kind is bool:
-            if raw.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
-                raise ValueError(raw)
-            return raw.lower() in ("true", "1", "yes", "on")
-        if kind is int:
-            return int(raw)
-        if kind is list:
-            items = [p.strip() for p in raw.split(",") if p.strip()]
-            return [float(p) for p in items] if name == "tensor_split" else items
-        return raw
-    except ValueError:
-        raise ValueError(f"{name}: {raw!r} is not {'a number' if kind is int else kind.__name__}") from None

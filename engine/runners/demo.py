@@ -1,4 +1,4 @@
-"""What `kvscope` with no arguments runs: the bundled demo model under llama.cpp's parallel workload, with
+"""What `kvscope` with no arguments and the notebook's `Explorer()` run: the bundled demo model under llama.cpp's parallel workload, with
 settings that make the cache's behaviour show within seconds: a small cache shared by four clients whose
 slots (112 positions each, as llama-server's) together claim more than its 256 cells. So sliding windows
 slide (a 16-token window; swa_full keeps the SWA cache shiftable), finished requests free their cells, a
