@@ -5,6 +5,9 @@ Each panel is a heatmap of `columns` cells a row; its colour scale has one band 
 for both explorers. Hovering a cell gives its index, position, sequences, pending shift and the last
 thing that happened to it (the watch layer's cell history). Markers show the head (where the next slot
 search starts), the cells changed since the previous update and those the last decode's dry run touched.
+With a sequence selected, its cells outside the sliding window are crossed, and (attention=True, on a
+session made with publish_attention) the weight its last token gave each cell is laid over the grid in
+red, per layer or averaged over the cache's layers.
 """
 from __future__ import annotations
 
@@ -14,7 +17,9 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from engine import events as ev
 from engine.watch import style
+from engine.watch.attention import AttentionWatch
 from engine.watch.describe import cache_title
 from engine.watch.frames import EMPTY, SHARED, Frame, StreamFrame
 from engine.watch.visibility import CellVisibility, SequenceVisibility, visibility
@@ -22,7 +27,9 @@ from engine.watch.watcher import Watcher
 from explorer.view import WatcherView
 
 SHARED_BAND, EMPTY_BAND = len(style.PALETTE), len(style.PALETTE) + 1
-TRACES_PER_LANE = 5  # the cells, then markers: changed, dry run, head, masked for the selected sequence
+CELLS, ATTENTION, CHANGED, DRY_RUN, HEAD, MASKED = range(6)  # each lane's traces, in this order
+TRACES_PER_LANE = 6
+ATTENTION_COLORSCALE = [[0.0, "rgba(214,39,40,0)"], [1.0, "rgba(214,39,40,0.9)"]]  # none: see-through
 N_BANDS = len(style.PALETTE) + 2
 
 
@@ -52,15 +59,33 @@ def as_rows(values: np.ndarray, columns: int, fill) -> np.ndarray:
 class CellGrid(WatcherView):
     """The cell grids of a watcher's caches as a plotly figure; update() polls and redraws."""
 
-    def __init__(self, watcher: Watcher, *, columns: int = 64, dark: bool = False, widget: bool = True) -> None:
+    def __init__(self, watcher: Watcher, *, columns: int = 64, dark: bool = False, widget: bool = True,
+                 attention: bool = False, attention_layer: int | None = None) -> None:
         """columns: cells per row; dark: colours for a dark page (JupyterLab's default theme is light);
-        widget: a FigureWidget (live in a notebook) or a plain Figure (for export and tests)."""
+        widget: a FigureWidget (live in a notebook) or a plain Figure (for export and tests); attention:
+        lay the selected sequence's attention over the grid (attention_layer: one model layer's, None:
+        the mean over the layers of each cache)."""
         self.watcher, self.columns, self.dark = watcher, columns, dark
         self.figure = go.FigureWidget() if widget else go.Figure()
+        self.widget = self.figure
         self._lanes: tuple[tuple[str, int, int], ...] = ()  # (cache, stream, size) the figure is laid out for
         self._hover: dict[tuple[str, int], np.ndarray] = {}  # per lane: the hover text of every cell
         self.selected_seq: int | None = None  # whose window (SWA visibility) is drawn
+        self.attention_on, self.attention_layer = attention, attention_layer
+        self.attention = AttentionWatch()
+        self._events_seen = 0  # the watcher's event count when its recent events were last read
         self.update()
+
+    def show_attention(self, on: bool = True, layer: int | None = None) -> Frame:
+        """Lay the selected sequence's attention over the grid (layer None: averaged per cache), or not."""
+        self.attention_on, self.attention_layer = on, layer
+        return self.update()
+
+    def forget(self) -> None:
+        self._hover = {}
+        self.attention = AttentionWatch()
+        self._events_seen = 0
+        self._read_attention()
 
     def select(self, seq_id: int | None) -> Frame:
         """Show what the next token of `seq_id` sees (None: no sequence): its cells outside the sliding
@@ -71,6 +96,7 @@ class CellGrid(WatcherView):
     def update(self) -> Frame:
         """Apply what arrived, then redraw: the figure's layout only when the caches changed shape."""
         self.watcher.poll()
+        self._read_attention()
         frame = self.watcher.frame()
         lanes = tuple((sf.cache, sf.stream, sf.size) for sf in frame.streams)
         if lanes != self._lanes:
@@ -80,6 +106,31 @@ class CellGrid(WatcherView):
             for k, sf in enumerate(frame.streams):
                 self._draw_lane(k, sf, seen)
         return frame
+
+    def trace(self, lane: int, which: int):
+        """One of a lane's traces: CELLS, ATTENTION, CHANGED, DRY_RUN, HEAD or MASKED."""
+        return self.figure.data[TRACES_PER_LANE * lane + which]
+
+    def _read_attention(self) -> None:
+        """The attention events among those the watcher received since the last look (whoever polled it)."""
+        watcher = self.watcher
+        new = min(watcher.events - self._events_seen, len(watcher.recent))
+        self._events_seen = watcher.events
+        if new <= 0:
+            return
+        for k in range(len(watcher.recent) - new, len(watcher.recent)):
+            event = watcher.recent[k]
+            if isinstance(event, (ev.AttentionWeights, ev.ContextCreated)):
+                self.attention.apply(event)
+
+    def _weights(self, sf: StreamFrame) -> np.ndarray | None:
+        if not self.attention_on or self.selected_seq is None:
+            return None
+        try:
+            weights = self.attention.weights(self.selected_seq, sf.cache, sf.stream, self.attention_layer)
+        except (KeyError, ValueError):
+            return None
+        return weights if weights.any() else None
 
     def _visibility(self) -> SequenceVisibility | None:
         if self.selected_seq is None or not self.watcher.mirror.caches:
@@ -109,6 +160,9 @@ class CellGrid(WatcherView):
                 go.Heatmap(z=as_rows(colour_bands(sf.owner), self.columns, np.nan), zmin=-0.5, zmax=N_BANDS - 0.5,
                            colorscale=band_colorscale(self.dark), showscale=False, xgap=1, ygap=1,
                            hovertemplate="%{text}<extra></extra>", name=f"{sf.cache} s{sf.stream}", **axes),
+                go.Heatmap(z=as_rows(np.full(sf.size, np.nan), self.columns, np.nan), zmin=0, zmax=1, xgap=1,
+                           ygap=1, colorscale=ATTENTION_COLORSCALE, showscale=False, name="attention",
+                           hoverinfo="skip", **axes),
                 go.Scatter(mode="markers", name="changed", showlegend=k == 0, hoverinfo="skip", **axes,
                            marker=dict(symbol="square-open", size=9, color="#D55E00")),
                 go.Scatter(mode="text", name="dry run", showlegend=k == 0, hoverinfo="skip", text=[], **axes,
@@ -128,8 +182,13 @@ class CellGrid(WatcherView):
                                   plot_bgcolor="rgba(0,0,0,0)", legend=dict(orientation="h", y=1.02, yanchor="bottom"))
 
     def _draw_lane(self, k: int, sf: StreamFrame, seen: SequenceVisibility | None) -> None:
-        heatmap, changed, dry_run, head, masked = self.figure.data[TRACES_PER_LANE * k:TRACES_PER_LANE * (k + 1)]
+        heatmap, attention, changed, dry_run, head, masked = \
+            self.figure.data[TRACES_PER_LANE * k:TRACES_PER_LANE * (k + 1)]
         heatmap.z = as_rows(colour_bands(sf.owner), self.columns, np.nan)
+        weights = self._weights(sf)
+        # the square root, as the terminal explorer shades it: a few strong cells do not hide the rest
+        attention.z = as_rows(np.where(weights > 0, np.sqrt(weights / weights.max()), np.nan), self.columns, np.nan) \
+            if weights is not None else None
         heatmap.text = as_rows(self._hover_texts(sf), self.columns, "")
         window = seen.caches.get(sf.cache) if seen is not None else None
         if window is not None and window.stream != sf.stream:

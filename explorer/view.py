@@ -1,16 +1,21 @@
 """What every notebook view shares: it draws from a Watcher, is made from anything a Watcher can watch,
-and can be redrawn live by a session's worker."""
+shows itself in a notebook, can be redrawn live by a session's worker, and exports to HTML and PNG."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 from engine.watch.watcher import Watcher
 
 
 class WatcherView:
-    """A view drawn from `self.watcher`; subclasses implement update()."""
+    """A view drawn from `self.watcher` into `self.widget`; subclasses implement update()."""
 
     watcher: Watcher
+    widget: object  # what a notebook displays: a plotly FigureWidget or an ipywidgets box
+    # How a redraw a control asks for is run: directly, or on the session's worker (Session.call) once the
+    # view follows a session, so that it never overlaps the worker's own redraws.
+    runner: Callable[[Callable[[], object]], object] | None = None
 
     def update(self) -> object:
         raise NotImplementedError
@@ -24,4 +29,44 @@ class WatcherView:
         """Redraw live: the session's worker calls update() after its steps and commands (at most every
         `every_s` seconds, and after the last change). Call only this from then on, not update() by hand
         as well; returns a function that stops it."""
+        self.runner = session.call
         return session.on_change(self.update, every_s)
+
+    def redraw(self) -> None:
+        """update(), where updates of this view run (see `runner`): for the view's own controls."""
+        if self.runner is None:
+            self.update()
+        else:
+            self.runner(self.update)
+
+    def show(self, watcher: Watcher) -> object:
+        """Draw from another watcher from now on (a timeline's replay, or the live one again)."""
+        self.watcher = watcher
+        self.forget()
+        return self.update()
+
+    def forget(self) -> None:
+        """Drop what the view keeps between updates (the watcher it came from was replaced or rebuilt)."""
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    # ---- export ------------------------------------------------------------------------------------
+    def figures(self) -> list:
+        """The plotly figures this view draws (exported to HTML and PNG)."""
+        figure = getattr(self, "figure", None)
+        return [figure] if figure is not None else []
+
+    def export_html(self, path: str | Path) -> Path:
+        """The view as one standalone HTML file (plotly's JavaScript inlined: it opens offline)."""
+        from explorer.export import figures_html
+
+        path = Path(path)
+        path.write_text(figures_html(self.figures(), title=type(self).__name__), encoding="utf-8")
+        return path
+
+    def export_png(self, path: str | Path, *, width: int = 1200, scale: float = 2.0) -> Path:
+        """The view as a PNG for slides (kaleido, through the machine's Chrome or Chromium)."""
+        from explorer.export import figures_png
+
+        return figures_png(self.figures(), Path(path), width=width, scale=scale)

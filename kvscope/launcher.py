@@ -11,6 +11,7 @@ import sys
 
 from engine import cli
 from engine.errors import KvscopeError
+from engine.runners.launch import open_source
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
 def run_tui(args: argparse.Namespace, *, demo: bool) -> int:
     """The explorer on what the flags name (demo: the bundled model with the demo settings)."""
     interactive = sys.stdout.isatty() and sys.stdin.isatty()
-    source = _source(args, demo, threaded=interactive)
+    if args.replay and not interactive:
+        raise KvscopeError("--replay needs a terminal: it is stepped by hand")
+    source = open_source(args, demo=demo, threaded=interactive)
     try:
         if not interactive:
             from tui.plain import plain_frames
@@ -44,33 +47,6 @@ def run_tui(args: argparse.Namespace, *, demo: bool) -> int:
         return 0
     finally:
         source.close()
-
-
-def _source(args: argparse.Namespace, demo: bool, *, threaded: bool):
-    from engine.watch.sources import remote_source, replay_source, session_source
-
-    if args.connect:
-        from engine.watch.remote import RemoteSession
-
-        return remote_source(RemoteSession(args.connect, token=args.token), label=args.connect)
-    if args.replay:
-        if not threaded:
-            raise KvscopeError("--replay needs a terminal: it is stepped by hand")
-        return replay_source(args.replay)
-    if demo:
-        from engine.runners.demo import demo_session
-
-        session = demo_session(threaded=threaded, steps_per_second=8.0 if threaded else 0.0)
-        if threaded:
-            session.start()
-        return session_source(session, label="demo: the parallel workload on the bundled model")
-    from engine.runners.session import Session
-
-    settings, spec = cli.session_settings(args)
-    session = Session(args.model, settings=settings, workload=spec, steps_per_second=args.speed, dtype=args.dtype,
-                      threaded=threaded)
-    cli.begin_session(session, args)
-    return session_source(session, label=str(args.model))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ pytest.importorskip("plotly", reason="the notebook explorer needs the jupyter ex
 from engine.runners.session import Session  # noqa: E402
 from engine.runners.workloads import WorkloadSpec  # noqa: E402
 from engine.sampling import SamplerParams  # noqa: E402
-from explorer.grid import EMPTY_BAND, SHARED_BAND, TRACES_PER_LANE, CellGrid  # noqa: E402
+from explorer.grid import CELLS, CHANGED, EMPTY_BAND, HEAD, MASKED, SHARED_BAND, CellGrid  # noqa: E402
 
 SETTINGS = dict(n_ctx=256, pad=64, n_seq_max=4, kv_unified=True, swa_full=True, swa_window=16)
 
@@ -30,7 +30,7 @@ def expected_bands(cells) -> list[int]:
 def assert_grid_is_the_engine(grid: CellGrid, session: Session) -> None:
     caches = {c.name: c for c in session.ctx.memory.caches()}
     for k, (cache_name, stream, size) in enumerate(grid._lanes):
-        heatmap, _, _, head, _ = grid.figure.data[TRACES_PER_LANE * k:TRACES_PER_LANE * (k + 1)]
+        heatmap, head = grid.trace(k, CELLS), grid.trace(k, HEAD)
         cells = caches[cache_name].cells(stream)
         z = np.array(heatmap.z, dtype=float).ravel()[:size]
         assert z.astype(int).tolist() == expected_bands(cells)
@@ -56,9 +56,9 @@ def test_the_grid_shows_the_engine_cells_after_steps_and_a_copy(session):
     base = frame.stream("base")
     shared = np.flatnonzero(base.n_seqs > 1)
     assert len(shared) and set(shared.tolist()) <= set(np.flatnonzero(base.changed).tolist())
-    changed = grid.figure.data[1]
+    changed = grid.trace(0, CHANGED)
     assert sorted(zip(changed.y, changed.x)) == sorted((c // 32, c % 32) for c in np.flatnonzero(base.changed))
-    hover = np.array(grid.figure.data[0].text, dtype=object).ravel()[shared[0]]
+    hover = np.array(grid.trace(0, CELLS).text, dtype=object).ravel()[shared[0]]
     assert "seq 0, 3" in hover and "shared with seq 3" in hover  # the cell's latest history
 
 
@@ -71,7 +71,7 @@ def test_a_rebuild_lays_the_grid_out_anew(session):
     session.add_prompt("In the beginning").result()
     grid.update()
     assert {lane[2] for lane in grid._lanes} == {512}
-    assert np.array(grid.figure.data[0].z).shape == (8, 64)
+    assert np.array(grid.trace(0, CELLS).z).shape == (8, 64)
     assert_grid_is_the_engine(grid, session)
     assert "512 cells" in grid.figure.layout.annotations[0].text
 
@@ -88,7 +88,7 @@ def test_a_grid_follows_a_running_session_from_its_worker():
         stop()
         engine = threaded.engine_cells().result()
         for k, (cache, stream, size) in enumerate(grid._lanes):
-            z = np.array(grid.figure.data[TRACES_PER_LANE * k].z, dtype=float).ravel()[:size]
+            z = np.array(grid.trace(k, CELLS).z, dtype=float).ravel()[:size]
             assert z.astype(int).tolist() == expected_bands(engine[cache]["cells"][stream])
 
 
@@ -99,17 +99,17 @@ def test_selecting_a_sequence_crosses_its_cells_outside_the_sliding_window():
         s.add_prompt("And God said unto Moses, and the LORD spake").result()
         s.step(6).result()
         grid = CellGrid.of(s, columns=32, widget=False)
-        assert not any(len(grid.figure.data[TRACES_PER_LANE * k + 4].x or ()) for k in range(len(grid._lanes)))
+        assert not any(len(grid.trace(k, MASKED).x or ()) for k in range(len(grid._lanes)))
         grid.select(0)
         lanes = [lane[0] for lane in grid._lanes]
         swa = lanes.index("swa")
-        masked = grid.figure.data[TRACES_PER_LANE * swa + 4]
+        masked = grid.trace(swa, MASKED)
         cells = s.engine_cells().result()["swa"]["cells"][0]
         held = sorted(c for c, (p, seqs, _) in enumerate(cells) if 0 in seqs)
         newest = max(cells[c][0] for c in held)
         outside = [c for c in held if newest + 1 - cells[c][0] >= 8]  # llama.cpp: masked when p1 - p0 >= n_swa
         assert outside and sorted(y * 32 + x for x, y in zip(masked.x, masked.y)) == outside
         assert "seq 0's next token sees" in grid.figure.layout.annotations[swa].text
-        assert not grid.figure.data[TRACES_PER_LANE * lanes.index("base") + 4].x  # full attention: sees all
+        assert not grid.trace(lanes.index("base"), MASKED).x  # full attention: sees all
         grid.select(None)
-        assert not grid.figure.data[TRACES_PER_LANE * swa + 4].x
+        assert not grid.trace(swa, MASKED).x

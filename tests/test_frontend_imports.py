@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 FRONT_ENDS = ("tui", "explorer")
 ALLOWED = ("engine.events", "engine.errors", "engine.watch", "engine.runners.session", "engine.runners.workloads",
-           "engine.runners.demo")
+           "engine.runners.demo", "engine.runners.launch")
 FORBIDDEN_NAMES = {"threading": "a thread of its own (the session's worker runs the engine)"}
 
 

@@ -197,9 +197,9 @@ async def test_help_and_log_filters(session):
         await pilot.press("n")
         await settle(app, pilot, session, steps=1)
         await pilot.press("f")
-        assert log.group == "cells"
+        assert log.filter.group == "cells"
         await pilot.press("right", "g", "c")
-        assert log.seq == 0 and log.cache == "base"
+        assert log.filter.seq == 0 and log.filter.cache == "base"
         await pilot.press("q")
     assert not app.is_running
 

@@ -23,7 +23,7 @@ from textual.widgets import Footer, Static
 
 from engine import events as ev
 from engine.watch import AttentionWatch, Recorder, visibility
-from engine.watch.describe import cache_title
+from engine.watch.describe import cache_title, free_seq
 from engine.watch.frames import SHARED
 from tui.commands import SequenceCommands
 from tui.devices import DeviceBars
@@ -40,8 +40,6 @@ CATCHING_UP_DRAW_EVERY_S = 0.2  # with a backlog, redraw this often; the frames 
 UNDRAWN_KEPT = 200  # events kept for the log between two draws (it shows the latest of a burst)
 REPLAY_EVENTS_PER_FRAME = 25  # a playing replay: about 500 events a second
 SHOWN_IN_REPLAY_LOG = 50
-JUMP_KINDS = {"cells": ["CellsChanged"], "decodes": ["DecodeStarted", "DecodeFinished", "SlotSearchFailed"],
-              "tokens": ["TokenSampled", "SequenceAssigned"], "commands": ["CommandDone", "SessionStatus"]}
 SPEED_WINDOW_S = 2.0  # tokens/s averages the workload steps of the last seconds
 
 
@@ -365,9 +363,7 @@ class KvscopeApp(App):
         if replay is None:
             return
         log = self._view(EventLog)
-        kinds, quirk = JUMP_KINDS.get(log.group), (True if log.group == "quirks" else None)
-        jump = replay.next_of if direction > 0 else replay.previous_of
-        if jump(kinds, seq_id=log.seq, cache=log.cache, quirk=quirk) is None:
+        if log.filter.jump(replay, direction) is None:
             self.notify(f"no {'later' if direction > 0 else 'earlier'} event of that kind", severity="warning")
 
     def action_toggle_run(self) -> None:
@@ -415,11 +411,7 @@ class KvscopeApp(App):
                          done=f"context shift of seq {seq}: {{result}} positions discarded")
 
     def _free_seq(self) -> int:
-        used = {s for cache in self.watcher.mirror.caches.values() for st in cache.streams for s in range(256)
-                if st.holds(s).any()}
-        created = next(iter(self.watcher.mirror.created.values()), None)
-        limit = created.n_seq_max if created else 1
-        return next((s for s in range(limit) if s not in used), limit - 1)
+        return free_seq(self.watcher.mirror)
 
     def action_settings(self) -> None:
         session = self._session()

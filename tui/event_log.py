@@ -6,9 +6,8 @@ from textual.widgets import RichLog
 
 from engine import events as ev
 from engine.watch import style
-from engine.watch.describe import describe_event, event_group, event_seqs
+from engine.watch.describe import EVENT_GROUPS, EventFilter, describe_event, event_seqs
 
-GROUPS = ("all", "cells", "decodes", "tokens", "commands", "quirks")
 SHOWN_PER_FRAME = 20
 
 
@@ -19,42 +18,26 @@ class EventLog(RichLog, can_focus=False):  # the grid keeps the keys; the log sc
 
     def __init__(self, **kwargs) -> None:
         super().__init__(max_lines=2000, wrap=False, markup=False, **kwargs)
-        self.group = "all"
-        self.seq: int | None = None  # only events of this sequence
-        self.cache: str | None = None  # only cell events of this cache
+        self.filter = EventFilter()
         self._title()
 
     def _title(self) -> None:
-        parts = [f"events: {self.group}"]
-        if self.seq is not None:
-            parts.append(f"seq {self.seq}")
-        if self.cache is not None:
-            parts.append(f"cache {self.cache}")
-        self.border_title = " · ".join(parts) + "  (f: kind, g: this seq, c: this cache)"
+        self.border_title = self.filter.describe() + "  (f: kind, g: this seq, c: this cache)"
 
     def cycle_group(self) -> None:
-        self.group = GROUPS[(GROUPS.index(self.group) + 1) % len(GROUPS)]
+        self.filter.group = EVENT_GROUPS[(EVENT_GROUPS.index(self.filter.group) + 1) % len(EVENT_GROUPS)]
         self._title()
 
     def toggle_seq(self, seq: int | None) -> None:
-        self.seq = None if self.seq is not None else seq
+        self.filter.seq = None if self.filter.seq is not None else seq
         self._title()
 
     def toggle_cache(self, cache: str | None) -> None:
-        self.cache = None if self.cache is not None else cache
+        self.filter.cache = None if self.filter.cache is not None else cache
         self._title()
 
     def keeps(self, event: ev.Event) -> bool:
-        if self.group == "quirks":
-            if not getattr(event, "quirk", ""):
-                return False
-        elif self.group != "all" and event_group(event) != self.group:
-            return False
-        if self.seq is not None and self.seq not in event_seqs(event):
-            return False
-        if self.cache is not None and getattr(event, "cache", self.cache) != self.cache:
-            return False
-        return True
+        return self.filter.keeps(event)
 
     def add_events(self, events: list[ev.Event]) -> None:
         """Append the kept events; of a burst, only the latest SHOWN_PER_FRAME (the log shows a few lines,

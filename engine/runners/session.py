@@ -144,6 +144,14 @@ class Session:
                     self._redraws.remove(redraw)
         return remove
 
+    def call(self, function: Callable[[], Any], name: str = "call") -> Future:
+        """Run `function` on the session's worker between steps, as on_change runs its callbacks, so that a
+        redraw a UI handler asks for (on another thread) never overlaps one of them. The Future gives its
+        result; a failure is its exception and a CommandDone error, and never ends the worker."""
+        if not callable(function):
+            raise KvscopeError(f"call: {function!r} is not callable")
+        return self._submit(name, function, quiet=True)
+
     def estimate(self, **settings):
         """What the context would hold per device with these settings instead of the current ones (from
         file headers only; nothing changes). The model loaded in memory is estimated by its path."""

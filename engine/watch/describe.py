@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from dataclasses import dataclass
+
 from engine import events as ev
 from engine.watch.frames import EMPTY, SHARED
+
+EVENT_GROUPS = ("all", "cells", "decodes", "tokens", "commands", "quirks")
+GROUP_KINDS = {"cells": ("CellsChanged",), "decodes": ("DecodeStarted", "DecodeFinished", "SlotSearchFailed", "WorkloadStep"),
+               "tokens": ("TokenSampled", "SequenceAssigned"), "commands": ("CommandDone", "SessionStatus")}
 
 
 def describe_event(event: ev.Event) -> str:
@@ -109,6 +115,44 @@ def event_group(event: ev.Event) -> str:
     return "other"
 
 
+@dataclass
+class EventFilter:
+    """What an event log shows: a group of kinds (EVENT_GROUPS), one sequence's events, one cache's."""
+
+    group: str = "all"
+    seq: int | None = None
+    cache: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.group not in EVENT_GROUPS:
+            raise ValueError(f"event group {self.group!r}: the groups are {', '.join(EVENT_GROUPS)}")
+
+    def keeps(self, event: ev.Event) -> bool:
+        if self.group == "quirks":
+            if not getattr(event, "quirk", ""):
+                return False
+        elif self.group != "all" and event_group(event) != self.group:
+            return False
+        if self.seq is not None and self.seq not in event_seqs(event):
+            return False
+        return self.cache is None or getattr(event, "cache", self.cache) == self.cache
+
+    def jump(self, replay, direction: int) -> int | None:
+        """Move a Replay to the next (direction > 0) or previous event this filter keeps; its index, or
+        None (and no move) when there is none."""
+        jump = replay.next_of if direction > 0 else replay.previous_of
+        return jump(GROUP_KINDS.get(self.group), seq_id=self.seq, cache=self.cache,
+                    quirk=True if self.group == "quirks" else None)
+
+    def describe(self) -> str:
+        parts = [f"events: {self.group}"]
+        if self.seq is not None:
+            parts.append(f"seq {self.seq}")
+        if self.cache is not None:
+            parts.append(f"cache {self.cache}")
+        return " · ".join(parts)
+
+
 def cell_map(owner, per_line: int = 64) -> list[str]:
     """A stream's cells as llama.cpp's find_slot dump draws them (src/llama-kv-cache.cpp): '.' empty, the
     sequence id for one, 'M' for several; wrapped every `per_line` cells. owner: a frame's owner codes."""
@@ -122,3 +166,53 @@ def cache_title(created: ev.ContextCreated) -> str:
     n = len(created.layer_ids)
     types = created.type_k if created.type_k == created.type_v else f"{created.type_k}/{created.type_v}"
     return f"{created.cache} · {window} · {n} layer{'s' if n != 1 else ''} · {types}"
+
+
+def held_seqs(mirror) -> list[int]:
+    """The sequences that hold at least one cell of any cache of a CacheMirror, ascending."""
+    bits = np.zeros(32, dtype=np.uint8)
+    for cache in mirror.caches.values():
+        for stream in cache.streams:
+            if len(stream.seq_bits):
+                bits |= np.bitwise_or.reduce(stream.seq_bits, axis=0)
+    return np.flatnonzero(np.unpackbits(bits, bitorder="little")).tolist()
+
+
+def free_seq(mirror) -> int:
+    """A sequence id that holds no cell, below the context's n_seq_max (the last id when all are taken):
+    where a seq_cp from a front-end copies to."""
+    created = next(iter(mirror.created.values()), None)
+    limit = created.n_seq_max if created else 1
+    used = set(held_seqs(mirror))
+    return next((s for s in range(limit) if s not in used), limit - 1)
+
+
+def status_parts(watcher, *, with_error: bool = False) -> list[tuple[str, str]]:
+    """The status line of a Watcher as (text, tone) parts, tone one of "state", "running", "error",
+    "warning", "": what runs, at which step, how full each cache is and how many shifts are pending,
+    and whether the view is behind, lost events or is stale (with_error: and the last failed command).
+    Each explorer styles the tones its way."""
+    status = watcher.status
+    state = status.state if status else "?"
+    parts = [(state, "running" if state == "running" else "error" if state == "disconnected" else "state")]
+    if state == "disconnected":  # a remote session: RemoteSession reconnects by itself
+        parts.append((f"{status.message or 'the server is silent'}; retrying", "error"))
+    # the status event comes when the state changes; the steps' own events keep the count current
+    step = max(status.step if status else 0, watcher.last_step.step if watcher.last_step else 0)
+    decode = watcher.history.step  # the context's decode count, which the cell histories name
+    parts.append((f"step {step}" + (f" (decode {decode})" if decode >= 0 else ""), ""))
+    for name, cache in watcher.mirror.caches.items():
+        used = sum(int((st.pos >= 0).sum()) for st in cache.streams)
+        shifts = sum(int((st.shift != 0).sum()) for st in cache.streams)
+        parts.append((f"{name} {used}/{cache.size * len(cache.streams)}" + (f" ({shifts} to shift)" if shifts else ""),
+                      ""))
+    if watcher.backlog:
+        parts.append((f"catching up: {watcher.backlog} events", "warning"))
+    if watcher.dropped:
+        parts.append((f"dropped {watcher.dropped}, resynced {watcher.resyncs}", "warning"))
+    if watcher.stale:
+        parts.append(("STALE", "error"))
+    if with_error and watcher.last_error is not None:
+        e = watcher.last_error
+        parts.append((f"last error: {e.command}: {e.error}", "error"))
+    return parts

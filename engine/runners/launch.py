@@ -1,0 +1,59 @@
+"""What an explorer shows, from its command line: the demo session, a model run here with llama.cpp's
+flags, a remote session (--connect) or a recording (--replay). The terminal explorer (`kvscope tui ...`)
+and the notebook's `Explorer(...)` both open their source here, so the same flags mean the same thing."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import shlex
+from collections.abc import Sequence
+
+from engine import cli
+from engine.errors import KvscopeError
+from engine.watch.sources import Source, remote_source, replay_source, session_source
+
+
+def open_source(args: argparse.Namespace, *, demo: bool, threaded: bool = True, start: bool | None = None) -> Source:
+    """The source the parsed `tui` flags name; demo: the bundled model with the demo settings.
+    start: run the demo (None: when threaded)."""
+    if args.connect:
+        from engine.watch.remote import RemoteSession
+
+        return remote_source(RemoteSession(args.connect, token=args.token), label=args.connect)
+    if args.replay:
+        return replay_source(args.replay)
+    if demo:
+        from engine.runners.demo import demo_session
+
+        session = demo_session(threaded=threaded, steps_per_second=8.0 if threaded else 0.0)
+        if threaded if start is None else start:
+            session.start()
+        return session_source(session, label="demo: the parallel workload on the bundled model")
+    from engine.runners.session import Session
+
+    settings, spec = cli.session_settings(args)
+    session = Session(args.model, settings=settings, workload=spec, steps_per_second=args.speed, dtype=args.dtype,
+                      threaded=threaded)
+    cli.begin_session(session, args)
+    return session_source(session, label=str(args.model))
+
+
+def parse_tui_flags(flags: str | Sequence[str] = ()) -> argparse.Namespace:
+    """`kvscope tui`'s flags (a string is split as a shell would) as parsed arguments. A bad flag raises
+    KvscopeError with argparse's message instead of exiting, so a notebook survives it."""
+    words = shlex.split(flags) if isinstance(flags, str) else [str(f) for f in flags]
+    told = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(told):
+            return cli.build_parser().parse_args(["tui", *words])
+    except SystemExit:
+        lines = [line for line in told.getvalue().splitlines() if line.strip()]
+        raise KvscopeError(f"kvscope tui {' '.join(words)}: {lines[-1] if lines else 'bad flags'}") from None
+
+
+def source_from_flags(flags: str | Sequence[str] = (), *, threaded: bool = True, start: bool | None = None) -> Source:
+    """The source `kvscope tui FLAGS` would show (no flags: the demo)."""
+    args = parse_tui_flags(flags)
+    words = shlex.split(flags) if isinstance(flags, str) else list(flags)
+    return open_source(args, demo=not words, threaded=threaded, start=start)
