@@ -1,15 +1,25 @@
-"""kvscope's notebook explorer: plotly views of a session's KV cache, drawn from the watch layer.
+"""kvscope's notebook explorer: plotly and ipywidgets views of a session's KV cache, drawn from the
+watch layer.
 
 Like the terminal explorer (tui/), it imports only the session, `engine.watch` and `engine.events`;
-colours, glyph meanings and folding come from engine/watch/style.py, so both explorers read alike.
+colours, glyph meanings, the event log's lines and filters, the status line and the settings fields
+come from engine/watch, so both explorers read alike.
 
-    from explorer import CellGrid
-    grid = CellGrid.of(session)      # a FigureWidget: one heatmap per cache stream
+    from explorer import Explorer
+    Explorer()                       # everything, on the demo session, live
+
+    grid = CellGrid.of(session)      # or one piece: a heatmap per cache stream
     bars = MemoryBars.of(session)    # weights / K/V / compute per device, and the layer map
-    session.step(8).result(); grid.update(); bars.update()
-    grid.follow(session)             # or: redrawn live by the session's worker after each change
+    SwaWindow.of(session, seq=1)     # what seq 1's next token sees, position by position
+    EventLog.of(session)             # the latest events, filtered
+    grid.follow(session)             # redrawn live by the session's worker after each change
+    Timeline.open("run.kvtrace")     # a slider over a recording; attach(grid, ...) the views it moves
 """
+from explorer.event_log import EventLog
+from explorer.explorer import Explorer
 from explorer.grid import CellGrid
 from explorer.memory import MemoryBars
+from explorer.timeline import Timeline
+from explorer.window import SwaWindow
 
-__all__ = ["CellGrid", "MemoryBars"]
+__all__ = ["CellGrid", "EventLog", "Explorer", "MemoryBars", "SwaWindow", "Timeline"]

@@ -6,13 +6,12 @@ from __future__ import annotations
 import html
 
 import ipywidgets as widgets
-import numpy as np
 
 from engine import events as ev
 from engine.watch import style
-from engine.watch.describe import EVENT_GROUPS, EventFilter, describe_event, event_seqs
+from engine.watch.describe import EVENT_GROUPS, EventFilter, describe_event, event_seqs, held_seqs
 from engine.watch.watcher import Watcher
-from explorer.view import WatcherView
+from explorer.view import WatcherView, observe_value, replace_options
 
 ANY = "any"
 
@@ -42,7 +41,7 @@ class EventLog(WatcherView):
                                       layout=widgets.Layout(width="160px"))
         self.text = widgets.HTML(layout=widgets.Layout(height=f"{1.45 * lines + 0.6:.1f}em", overflow="auto"))
         for control in (self.group, self.seq, self.cache):
-            control.observe(self._filter_changed, names="value")
+            observe_value(control, self._filter_changed)
         self.widget = widgets.VBox([widgets.HBox([self.group, self.seq, self.cache]), self.text])
         self._shown_at: tuple = ()
         self.update()
@@ -77,20 +76,8 @@ class EventLog(WatcherView):
     def _offer_choices(self) -> None:
         """The sequences and caches there are, in the filter's menus (the chosen one stays)."""
         mirror = self.watcher.mirror
-        caches = [ANY, *mirror.caches]
-        seqs = [ANY, *(str(s) for s in self._seqs())]
-        for menu, options in ((self.cache, caches), (self.seq, seqs)):
-            if menu.value not in options:
-                options.append(menu.value)
-            if list(menu.options) != options:
-                menu.options = options
-
-    def _seqs(self) -> list[int]:
-        seen = np.zeros(32, dtype=np.uint8)
-        for cache in self.watcher.mirror.caches.values():
-            for stream in cache.streams:
-                seen |= np.bitwise_or.reduce(stream.seq_bits, axis=0)
-        return np.flatnonzero(np.unpackbits(seen, bitorder="little")).tolist()
+        replace_options(self.cache, [ANY, *mirror.caches])
+        replace_options(self.seq, [ANY, *(str(s) for s in held_seqs(mirror))])
 
     def forget(self) -> None:
         self._shown_at = ()

@@ -12,6 +12,7 @@ red, per layer or averaged over the cache's layers.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 import plotly.graph_objects as go
@@ -74,6 +75,8 @@ class CellGrid(WatcherView):
         self.attention_on, self.attention_layer = attention, attention_layer
         self.attention = AttentionWatch()
         self._events_seen = 0  # the watcher's event count when its recent events were last read
+        # called with (cache, stream, cell) when a cell is clicked in the notebook (a FigureWidget only)
+        self.on_cell_click: Callable[[str, int, int], None] | None = None
         self.update()
 
     def show_attention(self, on: bool = True, layer: int | None = None) -> Frame:
@@ -106,6 +109,17 @@ class CellGrid(WatcherView):
             for k, sf in enumerate(frame.streams):
                 self._draw_lane(k, sf, seen)
         return frame
+
+    def _clicked(self, lane: tuple[str, int], points) -> None:
+        if self.on_cell_click is not None and points.xs:
+            self.on_cell_click(lane[0], lane[1], int(points.ys[0]) * self.columns + int(points.xs[0]))
+
+    def cell_seqs(self, cache: str, stream: int, cell: int) -> list[int]:
+        """The sequences a cell holds (what a click on it selects: the first)."""
+        streams = self.watcher.mirror.caches[cache].streams
+        if not (0 <= stream < len(streams) and 0 <= cell < len(streams[stream].pos)):
+            return []
+        return np.flatnonzero(np.unpackbits(streams[stream].seq_bits[cell], bitorder="little")).tolist()
 
     def trace(self, lane: int, which: int):
         """One of a lane's traces: CELLS, ATTENTION, CHANGED, DRY_RUN, HEAD or MASKED."""
@@ -160,7 +174,7 @@ class CellGrid(WatcherView):
                 go.Heatmap(z=as_rows(colour_bands(sf.owner), self.columns, np.nan), zmin=-0.5, zmax=N_BANDS - 0.5,
                            colorscale=band_colorscale(self.dark), showscale=False, xgap=1, ygap=1,
                            hovertemplate="%{text}<extra></extra>", name=f"{sf.cache} s{sf.stream}", **axes),
-                go.Heatmap(z=as_rows(np.full(sf.size, np.nan), self.columns, np.nan), zmin=0, zmax=1, xgap=1,
+                go.Heatmap(z=None, zmin=0, zmax=1, xgap=1,
                            ygap=1, colorscale=ATTENTION_COLORSCALE, showscale=False, name="attention",
                            hoverinfo="skip", **axes),
                 go.Scatter(mode="markers", name="changed", showlegend=k == 0, hoverinfo="skip", **axes,
@@ -171,6 +185,9 @@ class CellGrid(WatcherView):
                            marker=dict(symbol="triangle-down", size=10, color=style.HEAD_COLOR)),
                 go.Scatter(mode="markers", name="outside the window", showlegend=k == 0, hoverinfo="skip", **axes,
                            marker=dict(symbol="x-thin-open", size=9, color="#222222", line=dict(width=2)))])
+            if isinstance(self.figure, go.FigureWidget):
+                self.figure.data[-TRACES_PER_LANE].on_click(
+                    lambda _trace, points, _state, lane=(sf.cache, sf.stream): self._clicked(lane, points))
             suffix = str(k + 1) if k else ""
             n_rows = max(1, math.ceil(sf.size / self.columns))
             step = max(1, n_rows // 8)  # the first cell of every few rows, as the terminal explorer labels rows
@@ -178,8 +195,9 @@ class CellGrid(WatcherView):
                 autorange="reversed", showgrid=False, zeroline=False, tickvals=list(range(0, n_rows, step)),
                 ticktext=[str(r * self.columns) for r in range(0, n_rows, step)], tickfont=dict(size=9))
             self.figure.layout[f"xaxis{suffix}"].update(showticklabels=False, showgrid=False, zeroline=False)
-        self.figure.update_layout(height=height, margin=dict(l=40, r=10, t=50, b=10),
-                                  plot_bgcolor="rgba(0,0,0,0)", legend=dict(orientation="h", y=1.02, yanchor="bottom"))
+        self.figure.update_layout(height=height + 30, margin=dict(l=40, r=10, t=50, b=40),
+                                  plot_bgcolor="rgba(0,0,0,0)",
+                                  legend=dict(orientation="h", x=0, xanchor="left", y=0, yanchor="top"))
 
     def _draw_lane(self, k: int, sf: StreamFrame, seen: SequenceVisibility | None) -> None:
         heatmap, attention, changed, dry_run, head, masked = \

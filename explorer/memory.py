@@ -34,14 +34,15 @@ class MemoryBars(WatcherView):
     def __init__(self, watcher: Watcher, *, widget: bool = True) -> None:
         self.watcher = watcher
         self.figure = go.FigureWidget() if widget else go.Figure()
+        self.widget = self.figure
         for part in PARTS:
             self.figure.add_trace(go.Bar(orientation="h", name=PART_NAMES[part], marker_color=style.MEMORY_PART_COLORS[part],
                                          hovertemplate="%{y}: %{x:.1f} MiB " + PART_NAMES[part] + "<extra></extra>"))
         self.figure.add_trace(go.Bar(orientation="h", name="free", marker_color=FREE_COLOR,
                                      hovertemplate="%{y}: %{x:.1f} MiB free<extra></extra>"))
-        self.figure.update_layout(barmode="stack", height=160, margin=dict(l=10, r=10, t=50, b=30),
+        self.figure.update_layout(barmode="stack", height=160, margin=dict(l=10, r=10, t=40, b=60),
                                   xaxis_title="MiB",
-                                  legend=dict(orientation="h", x=1, xanchor="right", y=1.02, yanchor="bottom",
+                                  legend=dict(orientation="h", x=0, xanchor="left", y=-0.35, yanchor="top",
                                               traceorder="normal"))
         self.update()
 
@@ -57,6 +58,6 @@ class MemoryBars(WatcherView):
             # no known capacity (the host without a limit): no free part, the bar shows the parts' shares
             free.x = [mib(max(0, row.capacity - row.used)) if row.capacity else 0 for row in rows]
             free.y = labels
-            self.figure.layout.height = 120 + 40 * max(1, len(rows))
+            self.figure.layout.height = 140 + 40 * max(1, len(rows))
             self.figure.layout.title = dict(text=layer_map_text(devices), font=dict(size=12), x=0.01, xanchor="left",
                                             y=0.98, yanchor="top")

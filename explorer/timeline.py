@@ -32,16 +32,17 @@ class Timeline:
         self.path, self.live_watcher, self.recorder, self.runner = path, live_watcher, recorder, runner
         self.replay: Replay | None = None if recorder is not None else Replay.open(path)
         self.views: list = []
+        self.moved: Callable[[], None] | None = None  # called after every move (the explorer's header)
         self.filter = EventFilter()
         self._setting = False  # the slider is being moved by the code, not by a person
         self.slider = widgets.IntSlider(min=0, max=0, value=0, description="event", continuous_update=False,
                                         layout=widgets.Layout(width="55%"))
         self.play = widgets.Play(min=0, max=0, interval=100, step=1, description="play")
         widgets.jslink((self.play, "value"), (self.slider, "value"))
-        self.back, self.forward = widgets.Button(description="◀", tooltip="one event back"), \
-            widgets.Button(description="▶", tooltip="one event on")
-        self.previous_kind = widgets.Button(description="⏮", tooltip="the previous event of the kind chosen")
-        self.next_kind = widgets.Button(description="⏭", tooltip="the next event of the kind chosen")
+        self.back = widgets.Button(icon="step-backward", tooltip="one event back")
+        self.forward = widgets.Button(icon="step-forward", tooltip="one event on")
+        self.previous_kind = widgets.Button(icon="fast-backward", tooltip="the previous event of the kind chosen")
+        self.next_kind = widgets.Button(icon="fast-forward", tooltip="the next event of the kind chosen")
         self.kind = widgets.Dropdown(options=EVENT_GROUPS, value="all", layout=widgets.Layout(width="110px"))
         self.live_button = widgets.ToggleButton(value=self.live, description="live", tooltip="follow the session",
                                                 disabled=recorder is None)
@@ -123,6 +124,8 @@ class Timeline:
             view.show(self.live_watcher)
         self._set_live_button(True)
         self.follow_live()
+        if self.moved is not None:
+            self.moved()
 
     def follow_live(self) -> None:
         """While live: the slider stands at the end of the history (called by the explorer's redraws)."""
@@ -155,6 +158,8 @@ class Timeline:
                 view.forget()
             view.update()
         self._show_position()
+        if self.moved is not None:
+            self.moved()
 
     def _show_position(self) -> None:
         replay = self.replay

@@ -70,3 +70,27 @@ class WatcherView:
         from explorer.export import figures_png
 
         return figures_png(self.figures(), Path(path), width=width, scale=scale)
+
+
+def observe_value(menu, on_change: Callable[[object], None]) -> None:
+    """Call on_change(new value) when a person changes the control (not when replace_options does)."""
+    def changed(change) -> None:
+        if not getattr(menu, "_options_replaced", False):
+            on_change(change["new"])
+    menu.observe(changed, names="value")
+
+
+def replace_options(menu, options: list) -> None:
+    """New options for a Dropdown that keep its value in them (ipywidgets resets the value to the first
+    option when the options change; observe_value's callbacks do not see that)."""
+    value = menu.value
+    if value not in options:
+        options = [*options, value]
+    if list(menu.options) == options:
+        return
+    menu._options_replaced = True
+    try:
+        menu.options = options
+        menu.value = value
+    finally:
+        menu._options_replaced = False

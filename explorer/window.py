@@ -62,7 +62,8 @@ class SwaWindow(WatcherView):
         heatmap = self.figure.data[0]
         with self.figure.batch_update():
             if self.seen is None:
-                heatmap.z, heatmap.x, heatmap.y, heatmap.text = [], [], [], []
+                heatmap.z, heatmap.x, heatmap.y, heatmap.text = None, None, None, None
+                self.figure.layout.xaxis.visible = self.figure.layout.yaxis.visible = False
                 self.figure.layout.title = dict(text="select a sequence to see its window" if self.seq is None
                                                 else f"seq {self.seq} holds no cell", font=dict(size=12), x=0.01)
                 return None
@@ -75,9 +76,12 @@ class SwaWindow(WatcherView):
             heatmap.z = np.stack(rows)
             heatmap.x = np.arange(first, last + 1)
             heatmap.y = labels
-            heatmap.text = [[f"pos {first + k} · {label}: {WHAT[int(s)]}" for k, s in enumerate(row)]
+            next_pos = self.seen.next_pos
+            heatmap.text = [[f"pos {first + k} · {label}: " + ("the next token itself" if first + k == next_pos
+                                                                else WHAT[int(s)]) for k, s in enumerate(row)]
                             for row, label in zip(rows, labels)]
             heatmap.colorscale = self._colorscale()
+            self.figure.layout.xaxis.visible = self.figure.layout.yaxis.visible = True
             self.figure.layout.height = 90 + 35 * len(windows)
             sees = " · ".join(f"{w.cache}: {int((row == SEEN).sum())} positions"
                               for w, row in zip(windows, rows))
@@ -89,6 +93,7 @@ class SwaWindow(WatcherView):
         if self.seq is None or not self.watcher.mirror.caches:
             return None
         try:
-            return visibility(self.watcher.mirror, self.seq)
+            seen = visibility(self.watcher.mirror, self.seq)
         except ValueError:
             return None
+        return seen if any(w.n_held for w in seen.caches.values()) else None

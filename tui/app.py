@@ -23,7 +23,7 @@ from textual.widgets import Footer, Static
 
 from engine import events as ev
 from engine.watch import AttentionWatch, Recorder, visibility
-from engine.watch.describe import cache_title, free_seq
+from engine.watch.describe import cache_title, free_seq, tokens_per_second
 from engine.watch.frames import SHARED
 from tui.commands import SequenceCommands
 from tui.devices import DeviceBars
@@ -40,7 +40,6 @@ CATCHING_UP_DRAW_EVERY_S = 0.2  # with a backlog, redraw this often; the frames 
 UNDRAWN_KEPT = 200  # events kept for the log between two draws (it shows the latest of a burst)
 REPLAY_EVENTS_PER_FRAME = 25  # a playing replay: about 500 events a second
 SHOWN_IN_REPLAY_LOG = 50
-SPEED_WINDOW_S = 2.0  # tokens/s averages the workload steps of the last seconds
 
 
 class KvscopeApp(App):
@@ -228,12 +227,7 @@ class KvscopeApp(App):
         self._view(StatusLine).show_status(self.watcher, self._tokens_per_second(), self.source.label)
 
     def _tokens_per_second(self) -> float:
-        now = time.monotonic()
-        recent = [s for s in self._steps if now - s.time <= SPEED_WINDOW_S]
-        if len(recent) < 2:
-            return 0.0
-        span = recent[-1].time - recent[0].time + recent[0].ms / 1e3
-        return sum(s.n_sampled for s in recent) / span if span > 0 else 0.0
+        return tokens_per_second(self._steps, time.monotonic())
 
     def _title(self) -> str:
         created = self.watcher.mirror.created

@@ -216,3 +216,16 @@ def status_parts(watcher, *, with_error: bool = False) -> list[tuple[str, str]]:
         e = watcher.last_error
         parts.append((f"last error: {e.command}: {e.error}", "error"))
     return parts
+
+
+SPEED_WINDOW_S = 2.0  # tokens/s averages the workload steps of the last seconds
+
+
+def tokens_per_second(steps, now: float) -> float:
+    """Tokens sampled per second over the WorkloadStep events of the last SPEED_WINDOW_S seconds (their
+    `time` is time.monotonic() of the session's process); 0 with fewer than two."""
+    recent = [s for s in steps if now - s.time <= SPEED_WINDOW_S]
+    if len(recent) < 2:
+        return 0.0
+    span = recent[-1].time - recent[0].time + recent[0].ms / 1e3
+    return sum(s.n_sampled for s in recent) / span if span > 0 else 0.0

@@ -1,0 +1,276 @@
+"""Explorer: every view of the notebook explorer on one source, with the controls of a live session.
+
+    from explorer import Explorer
+    Explorer()                                   # the demo session (the parallel workload, running)
+    Explorer("model.gguf", "-c 512 -np 4 -kvu")  # a model run here, with `kvscope tui`'s flags
+    Explorer("run.kvtrace")                      # a recording, scrubbed with the timeline
+    Explorer("tcp://127.0.0.1:5757")             # a session served by `kvscope serve`
+    Explorer(session)                            # a Session (or RemoteSession) made by hand
+
+How it stays live without a thread of its own: a session run here redraws the views on its worker
+(Session.on_change, coalesced to `every_s`), and every control's redraw is queued to that worker too
+(Session.call), so two redraws never overlap and the kernel stays free to run other cells. A remote
+session is redrawn on the kernel's own thread, driven by a Play widget ticking in the browser; a
+recording only moves when its timeline does.
+"""
+from __future__ import annotations
+
+import html
+import time
+from pathlib import Path
+
+import ipywidgets as widgets
+
+from engine import events as ev
+from engine.runners.launch import source_from_flags
+from engine.watch.describe import cache_title, held_seqs, status_parts, tokens_per_second
+from engine.watch.sources import Source, remote_source, replay_source, session_source
+from explorer.controls import SessionControls
+from explorer.event_log import EventLog
+from explorer.export import figures_html, figures_png
+from explorer.grid import CellGrid
+from explorer.memory import MemoryBars
+from explorer.settings import SettingsPanel
+from explorer.timeline import Timeline
+from explorer.view import observe_value, replace_options
+from explorer.window import SwaWindow
+
+NO_SEQ = "none"
+TONE_STYLES = {"running": "font-weight:bold; color:#009E73", "state": "font-weight:bold", "error": "color:#C00000",
+               "warning": "color:#B8860B", "": ""}
+
+
+def open_source(source=None, flags: str | list[str] = (), *, start: bool = True) -> Source:
+    """What the explorer shows: see the module docstring."""
+    if source is None:
+        return source_from_flags(flags, start=start)
+    if isinstance(source, Source):
+        return source
+    if isinstance(source, (str, Path)):
+        text = str(source)
+        if text.endswith(".kvtrace"):
+            return replay_source(text)
+        if text.startswith("tcp://"):
+            words = [flags] if isinstance(flags, str) and flags else list(flags)
+            return source_from_flags(["--connect", text, *words])
+        words = flags.split() if isinstance(flags, str) else list(flags)
+        return source_from_flags(["-m", text, *words], start=start)
+    if hasattr(source, "bus"):
+        return session_source(source, label=source.status().model)
+    return remote_source(source)
+
+
+class Explorer:
+    """The cell grids, SWA window, memory bars, event log and timeline of a source, and its controls."""
+
+    def __init__(self, source=None, flags: str | list[str] = (), *, columns: int = 64, dark: bool = False,
+                 every_s: float = 0.25, start: bool = True, history: bool = True, attention: bool = False) -> None:
+        """source, flags: see the module docstring; columns: cells per grid row; dark: colours for a dark
+        page; every_s: at most this often a live session redraws; start: run the demo or the model at
+        once; history: record a live session so the timeline can scrub back (a temporary .kvtrace)."""
+        self.source = open_source(source, flags, start=start)
+        self.session = self.source.session
+        self.local = self.session is not None and hasattr(self.session, "bus")
+        self.selected_seq: int | None = None
+        self._steps: list[ev.WorkloadStep] = []
+        self._events_seen = 0
+        watcher = self.source.watcher
+        self.grid = CellGrid(watcher, columns=columns, dark=dark, attention=attention)
+        self.window = SwaWindow(watcher, dark=dark)
+        self.bars = MemoryBars(watcher)
+        self.log = EventLog(watcher, dark=dark)
+        self.views = [self.grid, self.window, self.bars, self.log]
+        self.grid.on_cell_click = self._cell_clicked
+        self.header, self.status = widgets.HTML(), widgets.HTML()
+        self.seq_menu = widgets.Dropdown(options=[NO_SEQ], value=NO_SEQ, description="sequence",
+                                         layout=widgets.Layout(width="180px"))
+        self.attention_box = widgets.Checkbox(value=attention, description="attention", indent=False,
+                                              tooltip="its last token's attention over the grid (publish_attention)",
+                                              layout=widgets.Layout(width="110px"))
+        self.layer_menu = widgets.Dropdown(options=["mean"], value="mean", description="layer",
+                                           layout=widgets.Layout(width="140px"), style={"description_width": "40px"})
+        self.export_path = widgets.Text(value="kvscope-view", description="export", layout=widgets.Layout(width="280px"))
+        self.export_html_button = widgets.Button(description="HTML", tooltip="a standalone page of the grids and bars",
+                                                 layout=widgets.Layout(width="70px"))
+        self.export_png_button = widgets.Button(description="PNG", tooltip="an image for slides (kaleido + Chromium)",
+                                                layout=widgets.Layout(width="70px"))
+        observe_value(self.seq_menu, lambda seq: self._later(lambda: self.select(None if seq == NO_SEQ else int(seq))))
+        self.attention_box.observe(lambda _: self._later(self._attention_changed), names="value")
+        observe_value(self.layer_menu, lambda _: self._later(self._attention_changed))
+        self.export_html_button.on_click(lambda _: self._export("html"))
+        self.export_png_button.on_click(lambda _: self._export("png"))
+
+        self.controls = SessionControls(self.session, watcher, lambda: self.selected_seq) if self.session else None
+        self.settings = SettingsPanel(self.session, self.controls.tell) if self.local else None
+        self.timeline = self._timeline(history)
+        self._ticker = None
+        self.widget = self._lay_out()
+        if self.local:
+            runner = self.session.call
+            for view in self.views:
+                view.runner = runner
+            self._stop_following = self.session.on_change(self.update, every_s)
+        elif self.session is not None:  # remote: the browser's ticks redraw on the kernel's thread
+            self._ticker = widgets.Play(interval=int(every_s * 1000), max=10**9, show_repeat=False,
+                                        description="follow", _playing=True)
+            self._ticker.observe(lambda _: self.update(), names="value")
+            self._stop_following = None
+        else:
+            self._stop_following = None
+        self.update()
+
+    def _timeline(self, history: bool) -> Timeline | None:
+        if self.source.replay is not None:
+            timeline = Timeline(path=Path(self.source.label))
+            self.source.replay.close()
+            self.source.replay = timeline.replay
+            for view in self.views:
+                view.show(timeline.watcher)
+        elif self.local and history:
+            timeline = Timeline.of_session(self.session, self.source.watcher)
+        else:
+            return None
+        timeline.attach(*self.views)
+        timeline.moved = lambda: self._draw_status(timeline.watcher)
+        return timeline
+
+    def _lay_out(self) -> widgets.Widget:
+        selection = widgets.HBox([self.seq_menu, self.attention_box, self.layer_menu, self.export_path,
+                                  self.export_html_button, self.export_png_button])
+        side = widgets.VBox([self.bars.widget, self.window.widget], layout=widgets.Layout(width="42%"))
+        main = widgets.HBox([widgets.Box([self.grid.widget], layout=widgets.Layout(width="58%")), side])
+        parts = [self.header, self.status]
+        if self.controls is not None:
+            parts.append(self.controls.widget)
+        if self.settings is not None:
+            accordion = widgets.Accordion(children=[self.settings.widget])
+            accordion.set_title(0, "settings (rebuild the context; the estimate shows first)")
+            accordion.selected_index = None
+            parts.append(accordion)
+        parts += [selection, main]
+        if self.timeline is not None:
+            parts.append(self.timeline.widget)
+        parts.append(self.log.widget)
+        if self._ticker_widget() is not None:
+            parts.append(self._ticker_widget())
+        return widgets.VBox(parts)
+
+    def _ticker_widget(self):
+        return getattr(self, "_ticker", None)
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    # ---- drawing ------------------------------------------------------------------------------------
+    def update(self) -> None:
+        """Redraw every view from what arrived (while the timeline is live); the header and status always."""
+        watcher = self.source.watcher if self.timeline is None else self.timeline.watcher
+        if self.timeline is None or self.timeline.live:
+            watcher.poll()
+            self._read_steps(watcher)
+            for view in self.views:
+                view.update()
+            if self.timeline is not None:
+                self.timeline.follow_live()
+        self._offer_seqs(watcher)
+        self._draw_status(watcher)
+
+    def _read_steps(self, watcher) -> None:
+        new = min(watcher.events - self._events_seen, len(watcher.recent))
+        self._events_seen = watcher.events
+        for k in range(len(watcher.recent) - max(new, 0), len(watcher.recent)):
+            if isinstance(watcher.recent[k], ev.WorkloadStep):
+                self._steps.append(watcher.recent[k])
+        self._steps = self._steps[-256:]
+
+    def _draw_status(self, watcher) -> None:
+        created = watcher.mirror.created
+        model = next(iter(created.values())).model_name if created else "?"
+        status = watcher.status
+        where = self.source.kind if self.timeline is None or self.timeline.live else \
+            f"{self.source.kind} · timeline at event {self.timeline.replay.position + 1} of {len(self.timeline.replay)}"
+        self.header.value = (f"<b>kvscope</b> · {html.escape(model)} · {html.escape(status.workload if status else '?')}"
+                             f" · {html.escape(where)} · <span style='opacity:0.7'>{html.escape(self.source.label)}</span>"
+                             f"<br><span style='opacity:0.7'>{' | '.join(html.escape(cache_title(c)) for c in created.values())}</span>")
+        parts = []
+        for k, (text, tone) in enumerate(status_parts(watcher, with_error=True)):
+            parts.append(f"<span style='{TONE_STYLES[tone]}'>{html.escape(text)}</span>")
+            if text.startswith("step "):
+                parts.append(f"{tokens_per_second(self._steps, time.monotonic()):.0f} tok/s")
+        self.status.value = " · ".join(parts)
+
+    def _offer_seqs(self, watcher) -> None:
+        replace_options(self.seq_menu, [NO_SEQ, *(str(s) for s in held_seqs(watcher.mirror))])
+        layers = sorted(i for c in watcher.mirror.created.values() for i in c.layer_ids)
+        replace_options(self.layer_menu, ["mean", *(str(i) for i in layers)])
+
+    # ---- selection ----------------------------------------------------------------------------------
+    def select(self, seq: int | None) -> None:
+        """The sequence whose window, attention and operations the views show (None: none)."""
+        self.selected_seq = seq
+        self.grid.select(seq)
+        self.window.select(seq)
+        value = NO_SEQ if seq is None else str(seq)
+        if self.seq_menu.value != value:
+            self.seq_menu._options_replaced = True  # the menu follows a click on the grid: nothing to redo
+            try:
+                if value not in self.seq_menu.options:
+                    self.seq_menu.options = [*self.seq_menu.options, value]
+                self.seq_menu.value = value
+            finally:
+                self.seq_menu._options_replaced = False
+
+    def _cell_clicked(self, cache: str, stream: int, cell: int) -> None:
+        def select() -> None:
+            seqs = self.grid.cell_seqs(cache, stream, cell)
+            if seqs:
+                self.select(seqs[0])
+        self._later(select)
+
+    def _attention_changed(self) -> None:
+        layer = None if self.layer_menu.value == "mean" else int(self.layer_menu.value)
+        self.grid.show_attention(self.attention_box.value, layer)
+
+    def _later(self, draw) -> None:
+        """A redraw a control asked for, where redraws run (the session's worker for a local session)."""
+        if self.local:
+            self.session.call(draw)
+        else:
+            draw()
+
+    # ---- export -------------------------------------------------------------------------------------
+    def figures(self) -> list:
+        return [self.grid.figure, self.window.figure, self.bars.figure]
+
+    def export_html(self, path: str | Path) -> Path:
+        """The grids, the window and the memory bars as one standalone HTML page."""
+        path = Path(path)
+        path.write_text(figures_html(self.figures(), title="kvscope"), encoding="utf-8")
+        return path
+
+    def export_png(self, path: str | Path, *, width: int = 1200, scale: float = 2.0) -> Path:
+        """The same views as one PNG (kaleido, through the machine's Chrome or Chromium)."""
+        return figures_png(self.figures(), Path(path), width=width, scale=scale)
+
+    def _export(self, kind: str) -> None:
+        tell = self.controls.tell if self.controls is not None else None
+        path = Path(self.export_path.value.strip() or "kvscope-view").with_suffix(f".{kind}")
+        try:
+            done = self.export_html(path) if kind == "html" else self.export_png(path)
+        except Exception as e:  # noqa: BLE001 - told on the message line, never raised into the notebook
+            if tell:
+                tell(f"export failed: {e}", False)
+            return
+        if tell:
+            tell(f"exported to {done}")
+
+    # ---- the end ------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop following, stop recording, close the source (a session run here is closed)."""
+        if self._stop_following is not None:
+            self._stop_following()
+        if self.controls is not None:
+            self.controls.close()
+        if self.timeline is not None:
+            self.timeline.close()
+        self.source.close()

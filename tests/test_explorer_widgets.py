@@ -1,0 +1,195 @@
+"""The notebook explorer without a browser: its widgets' state after the same clicks and choices a person
+makes, on a session stepped by hand (so every redraw has happened when a click returns)."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ipywidgets", reason="the notebook explorer needs the jupyter extra: pip install -e '.[jupyter]'")
+pytest.importorskip("plotly", reason="the notebook explorer needs the jupyter extra: pip install -e '.[jupyter]'")
+
+from engine.runners.demo import DEMO_SETTINGS, DEMO_WORKLOAD  # noqa: E402
+from engine.runners.session import Session  # noqa: E402
+from engine.sampling import SamplerParams  # noqa: E402
+from engine.watch.describe import held_seqs  # noqa: E402
+from engine.watch.recording import RecordingReader  # noqa: E402
+from explorer import Explorer  # noqa: E402
+from explorer.grid import ATTENTION, CELLS, EMPTY_BAND  # noqa: E402
+
+WORKLOAD = dataclasses.replace(DEMO_WORKLOAD, sampler=SamplerParams(temperature=0.0, seed=1))
+
+
+def demo(**settings) -> Session:
+    return Session("demo", settings={**DEMO_SETTINGS, **settings}, workload=WORKLOAD, threaded=False)
+
+
+@pytest.fixture
+def explorer():
+    x = Explorer(demo(), columns=32)
+    yield x
+    x.close()
+
+
+def grid_owners(x: Explorer, lane: int = 0) -> np.ndarray:
+    size = x.grid._lanes[lane][2]
+    return np.array(x.grid.trace(lane, CELLS).z, dtype=float).ravel()[:size]
+
+
+def test_step_draws_the_cells_and_the_status(explorer):
+    x = explorer
+    assert (grid_owners(x) == EMPTY_BAND).all()
+    x.controls.n_steps.value = 3
+    x.controls.step.click()
+    assert x.controls.message.value.endswith("3 steps done</span>")
+    assert "step 3" in x.status.value and "base 0/256" not in x.status.value
+    engine = x.session.engine_cells().result()["base"]["cells"][0]
+    assert ((grid_owners(x) != EMPTY_BAND) == np.array([pos >= 0 for pos, _, _ in engine])).all()
+    assert (grid_owners(x) != EMPTY_BAND).any()
+    assert "kvscope-demo-gemma3" in x.header.value and "window 16" in x.header.value
+    assert "DecodeFinished" in x.log.text.value
+
+
+def test_a_sequence_operation_from_its_button_changes_the_grid(explorer):
+    x = explorer
+    x.session.step(12).result()
+    assert "1" in x.seq_menu.options
+    x.seq_menu.value = "1"
+    assert x.selected_seq == 1 and x.window.figure.layout.title.text.startswith("seq 1: its next token")
+    held = (grid_owners(x) == 1).sum()
+    assert held > 0
+    x.controls.ops["rm"].click()
+    assert "seq 1 removed" in x.controls.message.value
+    assert (grid_owners(x) == 1).sum() == 0 and 1 not in held_seqs(x.source.watcher.mirror)
+    assert x.seq_menu.value == "1", "the selection stays on the removed sequence"
+    assert x.window.figure.layout.title.text == "seq 1 holds no cell"
+
+    x.seq_menu.value = "2"
+    x.controls.ops["cp"].click()
+    copied_to = int(x.controls.message.value.split("copied to seq ")[1].split("<")[0])
+    assert copied_to not in (0, 2) and copied_to in held_seqs(x.source.watcher.mirror)
+
+
+def test_bad_input_is_told_on_the_page_and_changes_nothing(explorer):
+    x = explorer
+    x.session.step(2).result()
+    x.seq_menu.value = "none"
+    x.controls.ops["keep"].click()
+    assert "select a sequence first" in x.controls.message.value
+    x.controls.prompt.value = "   "
+    x.controls.add_prompt.click()
+    assert "type a prompt first" in x.controls.message.value
+    x.settings.fields["n_ctx"].value = "lots"
+    assert x.settings.apply() is None
+    assert "n_ctx: &#x27;lots&#x27; is not a whole number" in x.settings.estimate_text.value
+    assert "settings not applied" in x.controls.message.value
+    assert x.session.status().settings["n_ctx"] == 256
+
+
+def test_settings_show_their_memory_first_and_apply_rebuilds(explorer):
+    x = explorer
+    x.settings.fields["n_ctx"].value = "512"
+    assert x.settings.estimate()
+    assert "fits: True" in x.settings.estimate_text.value and "K/V" in x.settings.estimate_text.value
+    assert x.session.status().settings["n_ctx"] == 256, "the estimate changes nothing"
+    x.settings.apply().result()
+    assert x.session.status().settings["n_ctx"] == 512
+    assert [size for _, _, size in x.grid._lanes] == [512, 512]
+    assert "context rebuilt" in x.controls.message.value
+
+
+def test_the_timeline_scrubs_the_live_history_and_returns(explorer):
+    x = explorer
+    x.session.step(6).result()
+    live_used = int((grid_owners(x) != EMPTY_BAND).sum())
+    x.timeline.seek(20)
+    assert not x.timeline.live and x.grid.watcher is x.timeline.replay.watcher
+    reader = RecordingReader(x.timeline.path)
+    expected = reader.mirror_at(20).caches["base"].streams[0].pos
+    assert ((grid_owners(x) != EMPTY_BAND) == (expected >= 0)).all()
+    assert int((grid_owners(x) != EMPTY_BAND).sum()) < live_used
+    assert x.timeline.slider.value == 21 and "event 21 of" in x.timeline.label.value
+    assert "timeline at event 21" in x.header.value
+    x.session.step(2).result()  # the session runs on; the scrubbed views stay where they are
+    assert int((grid_owners(x) != EMPTY_BAND).sum()) < live_used
+    x.timeline.kind.value = "decodes"
+    found = x.timeline.jump(1)
+    assert found is not None and "Decode" in x.timeline.label.value or "WorkloadStep" in x.timeline.label.value
+    x.timeline.go_live()
+    assert x.timeline.live and x.grid.watcher is x.source.watcher
+    assert int((grid_owners(x) != EMPTY_BAND).sum()) >= live_used
+    reader.close()
+
+
+def test_the_event_log_filters_by_kind_sequence_and_cache(explorer):
+    x = explorer
+    x.session.step(8).result()
+    x.log.group.value = "tokens"
+    lines = x.log.text.value.split("<br>")
+    assert lines and all("TokenSampled" in line or "SequenceAssigned" in line for line in lines)
+    x.log.seq.value = "2"
+    assert all("seq 2" in line for line in x.log.text.value.split("<br>"))
+    x.log.group.value = "cells"
+    x.log.seq.value = "any"
+    x.log.cache.value = "swa"
+    lines = x.log.text.value.split("<br>")
+    assert lines and all(" swa " in line for line in lines)
+
+
+def test_attention_is_laid_over_the_grid_of_the_selected_sequence():
+    x = Explorer(demo(publish_attention=True), columns=32)
+    try:
+        x.session.step(4).result()
+        x.seq_menu.value = "1"
+        x.attention_box.value = True
+        z = np.array(x.grid.trace(0, ATTENTION).z, dtype=float).ravel()
+        seen = z[~np.isnan(z)]
+        assert len(seen) > 0 and seen.max() == pytest.approx(1.0)
+        owners = grid_owners(x)
+        assert set(np.flatnonzero(~np.isnan(z[:len(owners)]))) <= set(np.flatnonzero(owners != EMPTY_BAND))
+        x.layer_menu.value = x.layer_menu.options[1]
+        assert x.grid.attention_layer == int(x.layer_menu.options[1])
+        x.attention_box.value = False
+        assert x.grid.trace(0, ATTENTION).z is None
+    finally:
+        x.close()
+
+
+def test_a_recording_opens_in_the_explorer_with_its_timeline(tmp_path):
+    x = Explorer(demo(), columns=32, history=False)
+    path = tmp_path / "run.kvtrace"
+    x.controls.record_path.value = str(path)
+    x.controls.record.value = True
+    x.session.step(5).result()
+    x.controls.record.value = False
+    assert "recording written" in x.controls.message.value
+    x.close()
+    replay = Explorer(str(path), columns=32)
+    try:
+        assert replay.controls is None and replay.settings is None and not replay.timeline.live
+        assert replay.timeline.slider.max == len(replay.timeline.replay)
+        replay.timeline.seek(len(replay.timeline.replay) - 1)
+        used_at_end = int((grid_owners(replay) != EMPTY_BAND).sum())
+        assert used_at_end > 0
+        replay.timeline.seek(-1)
+        assert replay.grid._lanes == (), "before the first event there is no cache"
+        replay.timeline.kind.value = "cells"
+        used = []
+        while replay.timeline.jump(1) is not None and len(used) < 40:  # the snapshots of empty caches, then cells
+            used.append(int((grid_owners(replay) != EMPTY_BAND).sum()))
+            if used[-1]:
+                break
+        assert 0 < used[-1] < used_at_end and "CellsAllocated" in replay.timeline.label.value
+    finally:
+        replay.close()
+
+
+def test_a_view_exports_to_standalone_html(explorer, tmp_path):
+    x = explorer
+    x.session.step(3).result()
+    page = x.export_html(tmp_path / "view.html").read_text()
+    assert page.count("plotly") > 10 and "base · full" in page and "swa · window 16" in page
+    assert page.count("Plotly.newPlot") == 3
+    single = x.grid.export_html(tmp_path / "grid.html").read_text()
+    assert single.count("Plotly.newPlot") == 1
