@@ -15,6 +15,7 @@ recording only moves when its timeline does.
 """
 from __future__ import annotations
 
+import collections
 import html
 import time
 from pathlib import Path
@@ -73,6 +74,7 @@ class Explorer:
         self.local = self.session is not None and hasattr(self.session, "bus")
         self.selected_seq: int | None = None
         self._steps: list[ev.WorkloadStep] = []
+        self.update_seconds: collections.deque[float] = collections.deque(maxlen=100)
         self._events_seen = 0
         watcher = self.source.watcher
         self.grid = CellGrid(watcher, columns=columns, dark=dark, attention=attention)
@@ -101,7 +103,7 @@ class Explorer:
         self.export_png_button.on_click(lambda _: self._export("png"))
 
         self.controls = SessionControls(self.session, watcher, lambda: self.selected_seq) if self.session else None
-        self.settings = SettingsPanel(self.session, self.controls.tell) if self.local else None
+        self.settings = SettingsPanel(self.session, self.controls.tell) if self.session is not None else None
         self.timeline = self._timeline(history)
         self._ticker = None
         self.widget = self._lay_out()
@@ -163,7 +165,13 @@ class Explorer:
 
     # ---- drawing ------------------------------------------------------------------------------------
     def update(self) -> None:
-        """Redraw every view from what arrived (while the timeline is live); the header and status always."""
+        """Redraw every view from what arrived (while the timeline is live); the header and status always.
+        Its times (seconds, the latest 100) are kept in `update_seconds`."""
+        started = time.perf_counter()
+        self._update()
+        self.update_seconds.append(time.perf_counter() - started)
+
+    def _update(self) -> None:
         watcher = self.source.watcher if self.timeline is None else self.timeline.watcher
         if self.timeline is None or self.timeline.live:
             watcher.poll()

@@ -173,7 +173,11 @@ class CellGrid(WatcherView):
             self.figure.add_traces([
                 go.Heatmap(z=as_rows(colour_bands(sf.owner), self.columns, np.nan), zmin=-0.5, zmax=N_BANDS - 0.5,
                            colorscale=band_colorscale(self.dark), showscale=False, xgap=1, ygap=1,
-                           hovertemplate="%{text}<extra></extra>", name=f"{sf.cache} s{sf.stream}", **axes),
+                           # the cell index travels as numbers (sent once, in binary), the text only says what
+                           # a cell holds: hover texts are most of what each redraw sends to the browser
+                           customdata=as_rows(np.arange(sf.size), self.columns, -1).astype(np.int32),
+                           hovertemplate=f"{sf.cache} stream {sf.stream} · cell %{{customdata}}<br>%{{text}}<extra></extra>",
+                           name=f"{sf.cache} s{sf.stream}", **axes),
                 go.Heatmap(z=None, zmin=0, zmax=1, xgap=1,
                            ygap=1, colorscale=ATTENTION_COLORSCALE, showscale=False, name="attention",
                            hoverinfo="skip", **axes),
@@ -207,7 +211,9 @@ class CellGrid(WatcherView):
         # the square root, as the terminal explorer shades it: a few strong cells do not hide the rest
         attention.z = as_rows(np.where(weights > 0, np.sqrt(weights / weights.max()), np.nan), self.columns, np.nan) \
             if weights is not None else None
-        heatmap.text = as_rows(self._hover_texts(sf), self.columns, "")
+        texts, renewed = self._hover_texts(sf)
+        if renewed:
+            heatmap.text = as_rows(texts, self.columns, "")
         window = seen.caches.get(sf.cache) if seen is not None else None
         if window is not None and window.stream != sf.stream:
             window = None
@@ -223,8 +229,9 @@ class CellGrid(WatcherView):
     def _xy(self, cells: np.ndarray) -> tuple[list[int], list[int]]:
         return (cells % self.columns).tolist(), (cells // self.columns).tolist()
 
-    def _hover_texts(self, sf: StreamFrame) -> np.ndarray:
-        """Every cell's hover text; only the cells changed since the last update are described anew."""
+    def _hover_texts(self, sf: StreamFrame) -> tuple[np.ndarray, bool]:
+        """Every cell's hover text, and whether any was renewed: only the cells changed since the last
+        update are described anew (the others' texts need not be sent again)."""
         key = (sf.cache, sf.stream)
         texts = self._hover.get(key)
         redo = np.arange(sf.size) if texts is None else np.flatnonzero(sf.changed)
@@ -232,23 +239,21 @@ class CellGrid(WatcherView):
             texts = self._hover[key] = np.empty(sf.size, dtype=object)
         for cell in redo.tolist():
             texts[cell] = self.describe_cell(sf, cell)
-        return texts
+        return texts, len(redo) > 0
 
     def describe_cell(self, sf: StreamFrame, cell: int) -> str:
-        """What hovering a cell says: where it is, what it holds, and its latest history."""
+        """What hovering a cell says besides its index: what it holds, a pending shift, its latest history."""
         pos = int(sf.pos[cell])
-        where = f"{sf.cache} stream {sf.stream} · cell {cell}"
-        if pos < 0:
-            return f"{where}<br>empty"
-        bits = self.watcher.mirror.caches[sf.cache].streams[sf.stream].seq_bits[cell]
-        seqs = np.flatnonzero(np.unpackbits(bits, bitorder="little")).tolist()
-        text = f"{where} · pos {pos}<br>seq {', '.join(map(str, seqs))}"
-        if sf.shift[cell]:
-            text += f" · pending shift {int(sf.shift[cell]):+d}"
         lines = self.watcher.history.lines(sf.cache, sf.stream, cell)
-        if lines:
-            text += "<br>" + lines[0]
-        return text
+        if pos < 0:
+            text = "empty"
+        else:
+            bits = self.watcher.mirror.caches[sf.cache].streams[sf.stream].seq_bits[cell]
+            seqs = np.flatnonzero(np.unpackbits(bits, bitorder="little")).tolist()
+            text = f"pos {pos} · seq {', '.join(map(str, seqs))}"
+            if sf.shift[cell]:
+                text += f" · pending shift {int(sf.shift[cell]):+d}"
+        return text + "<br>" + lines[0] if lines else text
 
     def _title(self, sf: StreamFrame) -> str:
         created = self.watcher.mirror.created.get(sf.cache)

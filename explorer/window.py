@@ -31,17 +31,44 @@ def position_states(window: CacheVisibility, first: int, last: int) -> np.ndarra
     return states
 
 
+def runs(states: np.ndarray, first: int) -> dict[int, tuple[list[int], list[int]]]:
+    """Per state, the (starts, lengths) of its runs of consecutive positions (states[k] is position first + k)."""
+    out: dict[int, tuple[list[int], list[int]]] = {state: ([], []) for state in WHAT}
+    if len(states) == 0:
+        return out
+    edges = np.flatnonzero(np.diff(states)) + 1
+    starts = np.concatenate([[0], edges])
+    ends = np.concatenate([edges, [len(states)]])
+    for a, b in zip(starts.tolist(), ends.tolist()):
+        out[int(states[a])][0].append(first + a)
+        out[int(states[a])][1].append(b - a)
+    return out
+
+
 class SwaWindow(WatcherView):
-    """What the next token of a sequence sees, position by position, in each cache; update() redraws."""
+    """What the next token of a sequence sees, position by position, in each cache; update() redraws.
+
+    Each cache is a row of bars, one per run of positions in the same state (a few per row, so a redraw
+    sends little however long the sequence), and a mark at the next token's own position."""
 
     def __init__(self, watcher: Watcher, *, seq: int | None = None, dark: bool = False, widget: bool = True) -> None:
         self.watcher, self.seq, self.dark = watcher, seq, dark
         self.figure = go.FigureWidget() if widget else go.Figure()
         self.widget = self.figure
-        self.figure.add_trace(go.Heatmap(showscale=False, xgap=1, ygap=2, zmin=-0.5, zmax=3.5,
-                                         hovertemplate="%{text}<extra></extra>"))
+        colours = {NOT_STORED: style.EMPTY_FILL[dark], SEEN: style.seq_color(0, dark), MASKED: MASKED_COLOR,
+                   BEYOND: BEYOND_COLOR}
+        for state, what in WHAT.items():
+            self.figure.add_trace(go.Bar(orientation="h", name=what, marker_color=colours[state], showlegend=True,
+                                         hovertemplate="%{y}: positions %{base} to %{customdata}<br>" + what
+                                                       + "<extra></extra>"))
+        self.figure.add_trace(go.Scatter(mode="markers", name="the next token", hovertemplate="%{y}: the next token at "
+                                         "pos %{x}<extra></extra>", marker=dict(symbol="triangle-down", size=11,
+                                                                               color=style.HEAD_COLOR)))
         self.figure.update_layout(height=150, margin=dict(l=10, r=10, t=40, b=30), xaxis_title="position",
-                                  yaxis=dict(autorange="reversed"), plot_bgcolor="rgba(0,0,0,0)")
+                                  barmode="overlay", bargap=0.35, plot_bgcolor="rgba(0,0,0,0)",
+                                  yaxis=dict(autorange="reversed"),
+                                  legend=dict(orientation="h", x=0, xanchor="left", y=-0.45, yanchor="top",
+                                              font=dict(size=10)))
         self.seen: SequenceVisibility | None = None
         self.update()
 
@@ -49,42 +76,40 @@ class SwaWindow(WatcherView):
         self.seq = seq
         return self.update()
 
-    def _colorscale(self) -> list:
-        colours = [style.EMPTY_FILL[self.dark], style.seq_color(self.seq or 0, self.dark), MASKED_COLOR, BEYOND_COLOR]
-        scale = []
-        for k, colour in enumerate(colours):
-            scale += [[k / 4, colour], [(k + 1) / 4, colour]]
-        return scale
-
     def update(self) -> SequenceVisibility | None:
         self.watcher.poll()
         self.seen = self._visibility()
-        heatmap = self.figure.data[0]
+        bars, marker = self.figure.data[:len(WHAT)], self.figure.data[len(WHAT)]
         with self.figure.batch_update():
             if self.seen is None:
-                heatmap.z, heatmap.x, heatmap.y, heatmap.text = None, None, None, None
+                for trace in (*bars, marker):
+                    trace.x, trace.y = None, None
                 self.figure.layout.xaxis.visible = self.figure.layout.yaxis.visible = False
+                self.figure.layout.showlegend = False
                 self.figure.layout.title = dict(text="select a sequence to see its window" if self.seq is None
                                                 else f"seq {self.seq} holds no cell", font=dict(size=12), x=0.01)
                 return None
             windows = list(self.seen.caches.values())
-            last = max(self.seen.next_pos, *(int(w.pos[w.codes == CellVisibility.FUTURE].max(initial=-1))
-                                             for w in windows))
+            # up to the position before the next token's (the marker stands on its own), or the furthest
+            # position held beyond it
+            last = max(self.seen.next_pos - 1, *(int(w.pos[w.codes == CellVisibility.FUTURE].max(initial=-1))
+                                                 for w in windows))
             first = max(0, last - MAX_POSITIONS + 1)
             rows = [position_states(w, first, last) for w in windows]
             labels = [f"{w.cache} ({w.kind.value}{f' {w.n_swa}' if w.n_swa else ''})" for w in windows]
-            heatmap.z = np.stack(rows)
-            heatmap.x = np.arange(first, last + 1)
-            heatmap.y = labels
-            next_pos = self.seen.next_pos
-            heatmap.text = [[f"pos {first + k} · {label}: " + ("the next token itself" if first + k == next_pos
-                                                                else WHAT[int(s)]) for k, s in enumerate(row)]
-                            for row, label in zip(rows, labels)]
-            heatmap.colorscale = self._colorscale()
+            per_row = [runs(row, first) for row in rows]
+            for state, trace in zip(WHAT, bars):
+                starts = [a for r in per_row for a in r[state][0]]
+                lengths = [n for r in per_row for n in r[state][1]]
+                trace.base, trace.x = starts, lengths
+                trace.y = [label for r, label in zip(per_row, labels) for _ in r[state][0]]
+                trace.customdata = [a + n - 1 for a, n in zip(starts, lengths)]
+            bars[SEEN].marker.color = style.seq_color(self.seq, self.dark)
+            marker.x, marker.y = [self.seen.next_pos] * len(labels), labels
             self.figure.layout.xaxis.visible = self.figure.layout.yaxis.visible = True
-            self.figure.layout.height = 90 + 35 * len(windows)
-            sees = " · ".join(f"{w.cache}: {int((row == SEEN).sum())} positions"
-                              for w, row in zip(windows, rows))
+            self.figure.layout.showlegend = True
+            self.figure.layout.height = 130 + 35 * len(windows)
+            sees = " · ".join(f"{w.cache}: {int((row == SEEN).sum())} positions" for w, row in zip(windows, rows))
             self.figure.layout.title = dict(text=f"seq {self.seq}: its next token (pos {self.seen.next_pos}) sees "
                                                  f"{sees}", font=dict(size=12), x=0.01)
         return self.seen

@@ -25,7 +25,9 @@ CHROMIUM = find_chromium()
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium or Chrome on the PATH (set KVSCOPE_CHROMIUM)")
 
 DEMO_CELL = "from explorer import Explorer\nx = Explorer(columns=32, start=False)\nx"
-PROBE_CELL = "n_probe = globals().get('n_probe', 0) + 1\nprint(f'probe {n_probe}')"
+PROBE_CELL = ("n_probe = globals().get('n_probe', 0) + 1\nprint(f'probe {n_probe}')\n"
+              "import statistics\nfor name in ('x', 'big'):\n    if name in globals():\n"
+              "        print(name, 'update ms', round(1e3 * statistics.median(globals()[name].update_seconds), 1))")
 BIG_CELL = ("x.close()\n"
             "big = Explorer(None, '-c 16384 -np 4 -kvu --workload parallel --sequences 100000 -n 4000 --speed 0 --start',"
             " columns=128, history=False, every_s=0.1)\nbig")
@@ -59,7 +61,7 @@ def run_cell(page, k: int) -> float:
 
 
 def wait_for_text(page, text: str, timeout_s: float) -> float:
-    page.get_by_text(text, exact=True).first.wait_for(timeout=timeout_s * 1000)
+    page.locator(f"text=/{re.escape(text)}/").first.wait_for(timeout=timeout_s * 1000)
     return time.monotonic()
 
 
@@ -144,4 +146,6 @@ def drive(page, out: Path, report: dict) -> None:
             report["16k grid redraws per second"] = page.evaluate("window.__redraws") / (time.monotonic() - t0)
             asked = run_cell(page, 3)
             report["cell during generation, s"] = wait_for_text(page, "probe 2", 30) - asked
+            report["16k update in the kernel, ms"] = float(
+                page.locator("text=/big update ms/").first.inner_text().split()[-1])
             page.screenshot(path=str(out / "explorer-16k.png"))

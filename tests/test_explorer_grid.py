@@ -37,7 +37,7 @@ def assert_grid_is_the_engine(grid: CellGrid, session: Session) -> None:
         text = np.array(heatmap.text, dtype=object).ravel()[:size]
         for cell in (0, size // 2, size - 1):
             pos = cells[cell][0]
-            assert (f"pos {pos}" in text[cell]) if pos >= 0 else text[cell].endswith("empty")
+            assert text[cell].startswith(f"pos {pos} · seq ") if pos >= 0 else text[cell].startswith("empty")
         engine_head = caches[cache_name].head(stream)
         assert list(head.x) == [engine_head % grid.columns] and list(head.y) == [engine_head // grid.columns]
 

@@ -193,3 +193,38 @@ def test_a_view_exports_to_standalone_html(explorer, tmp_path):
     assert page.count("Plotly.newPlot") == 3
     single = x.grid.export_html(tmp_path / "grid.html").read_text()
     assert single.count("Plotly.newPlot") == 1
+
+
+def test_a_remote_session_is_followed_and_driven_from_the_explorer():
+    import time
+
+    from engine.runners.serve import SessionServer
+    from engine.watch.remote import RemoteSession
+    from tests.test_remote import free_port_pair
+
+    port = free_port_pair("127.0.0.1", set())
+    with Session("demo", settings=DEMO_SETTINGS, workload=WORKLOAD) as session, \
+            SessionServer("127.0.0.1", port) as server:
+        server.start(session)
+        remote = RemoteSession(server.command_address, timeout=5)
+        x = Explorer(remote, columns=32)
+        try:
+            assert x.timeline is None and x._ticker is not None, "a remote session is followed by the browser's ticks"
+            x.controls.n_steps.value = 4
+            x.controls.step.click()
+            cells = None
+            for _ in range(100):  # the ticks: redraws on the kernel's own thread
+                x._ticker.value += 1
+                if "step 4" in x.status.value:
+                    cells = session.engine_cells().result()
+                    x._ticker.value += 1
+                    break
+                time.sleep(0.05)
+            assert cells is not None, x.status.value
+            engine = cells["base"]["cells"][0]
+            assert ((grid_owners(x) != EMPTY_BAND) == np.array([pos >= 0 for pos, _, _ in engine])).all()
+            assert "4 steps done" in x.controls.message.value
+            x.settings.fields["n_ctx"].value = "512"
+            assert x.settings.estimate(), x.settings.estimate_text.value
+        finally:
+            x.close()
