@@ -134,7 +134,7 @@ class Context:
                  tensor_split: Sequence[float] | None = None, offload_kqv: bool = True,
                  tensor_overrides: Sequence[str] | None = None, kvsize: int | None = None,
                  swa_window: int | None = None, kv_cache_debug: int | None = None,
-                 publish_attention: bool = False) -> None:
+                 publish_attention: bool = False, publish_logits: bool = False) -> None:
         """devices: the GPUs to offload to (None: the real ones found; see engine.placement.devices.resolve_gpus),
         n_gpu_layers/tensor_split/offload_kqv/tensor_overrides as llama.cpp's -ngl/-ts/-kvo/-ot
         ("REGEX=DEVICE" items; see engine.placement.weight_devices). Each layer's K/V and, when anything is
@@ -146,7 +146,9 @@ class Context:
         swa_window replaces a sliding-window model's window for the caches. kv_cache_debug: llama.cpp's
         LLAMA_KV_CACHE_DEBUG level for the slot-search dump (None: the environment variable).
         publish_attention: after each decode, publish an AttentionWeights event per sequence with an output
-        token (its last one's attention over the cells, per layer, head-averaged) while anyone listens."""
+        token (its last one's attention over the cells, per layer, head-averaged) while anyone listens.
+        publish_logits: after each decode, publish an OutputLogProbs event with every output's next-token
+        log-probabilities (what an A/B comparison of two contexts reads) while anyone listens."""
         if not isinstance(model, Model):
             raise ArgumentTypeError(f"Context: model must be an engine.Model (from engine.load_model), got "
                                     f"{type(model).__name__}")
@@ -156,9 +158,9 @@ class Context:
                                                              ("kv_cache_debug", kv_cache_debug)))
         n_batch, n_ubatch, n_seq_max, pad = ints("Context", n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max,
                                                  pad=pad)
-        kv_unified, swa_full, offload_kqv, publish_attention = (flag_arg(v, name, "Context") for name, v in (
+        kv_unified, swa_full, offload_kqv, publish_attention, publish_logits = (flag_arg(v, name, "Context") for name, v in (
             ("kv_unified", kv_unified), ("swa_full", swa_full), ("offload_kqv", offload_kqv),
-            ("publish_attention", publish_attention)))
+            ("publish_attention", publish_attention), ("publish_logits", publish_logits)))
         type_k, type_v, flash_attn = (str_arg(v, name, "Context") for name, v in (
             ("type_k", type_k), ("type_v", type_v), ("flash_attn", flash_attn)))
         if devices is not None:
@@ -184,6 +186,7 @@ class Context:
         self.bus = bus if bus is not None else ev.EventBus()
         self.abort_callback = abort_callback
         self.publish_attention = publish_attention
+        self.publish_logits = publish_logits
         self.perf = PerfCounters()
         p = self.params
         self.devices = ContextDevices(model, cfg, p, devices=devices, n_gpu_layers=n_gpu_layers,
@@ -359,11 +362,19 @@ class Context:
         if probe is not None:  # inside the step and its time: DecodeFinished still closes it
             for event in probe.events(self.n_steps - 1):
                 self.bus.publish(event)
+        if self.publish_logits and self.bus.active:
+            self._publish_logprobs(alloc)
         self._account(alloc.n_tokens, t0, ms)
         if self.bus.active:
             self.bus.publish(ev.DecodeFinished(0, alloc.n_tokens, tuple(u.n_tokens for u in ubatches),
                                                (time.perf_counter() - t0) * 1e3, tuple(ms)))
         return 0
+
+    def _publish_logprobs(self, alloc: BatchAllocator) -> None:
+        batch_idx = self._output_batch_idx.tolist()
+        logprobs = torch.log_softmax(self._logits.float(), dim=-1).cpu().numpy()
+        self.bus.publish(ev.OutputLogProbs(self.n_steps - 1, tuple(min(alloc.seq_ids[i]) for i in batch_idx),
+                                           tuple(int(alloc.pos[i]) for i in batch_idx), logprobs))
 
     def _remove_failed_ubatch(self, ub: UBatch) -> None:
         """llama.cpp's cleanup (llama_context::decode, src/llama-context.cpp): each sequence of the failed ubatch loses its cells from the ubatch's

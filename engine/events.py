@@ -393,6 +393,18 @@ class AttentionWeights(Event):
     weights: tuple[np.ndarray, ...]
 
 
+@dataclass(frozen=True, eq=False)
+class OutputLogProbs(Event):
+    """The next-token distributions of decode `step` (Context(publish_logits=True)): row k is the
+    log-softmax of the logits of the batch's k-th output token, float32 [n_outputs, n_vocab], in batch
+    order, with that token's (first) sequence and position. What an A/B view compares two contexts by."""
+
+    step: int
+    seq_ids: tuple[int, ...]
+    positions: tuple[int, ...]
+    logprobs: np.ndarray
+
+
 class Subscription:
     """A bounded queue of events for one watcher. Never blocks the publisher."""
 
@@ -409,9 +421,12 @@ class Subscription:
         self.dropped = 0  # total events this watcher never received
         self.callback_errors = 0  # exceptions raised by a subscribe_callback watcher
         self.closed = False
+        self.left_out: tuple[type, ...] = ()  # kinds this watcher never wants (a view: the big OutputLogProbs)
 
     def _offer(self, event: Event) -> None:
         if self._kinds is not None and not isinstance(event, self._kinds):
+            return
+        if self.left_out and isinstance(event, self.left_out):
             return
         with self._cond:
             if len(self._queue) >= self._maxsize:

@@ -14,7 +14,9 @@ come from engine/watch, so both explorers read alike.
     EventLog.of(session)             # the latest events, filtered
     grid.follow(session)             # redrawn live by the session's worker after each change
     Timeline.open("run.kvtrace")     # a slider over a recording; attach(grid, ...) the views it moves
+    Compare.of_settings(a=dict(type_k="f16"), b=dict(type_k="q4_0"), prompt="And God said")  # A/B
 """
+from explorer.compare import Compare
 from explorer.event_log import EventLog
 from explorer.explorer import Explorer
 from explorer.grid import CellGrid
@@ -22,4 +24,4 @@ from explorer.memory import MemoryBars
 from explorer.timeline import Timeline
 from explorer.window import SwaWindow
 
-__all__ = ["CellGrid", "EventLog", "Explorer", "MemoryBars", "SwaWindow", "Timeline"]
+__all__ = ["CellGrid", "Compare", "EventLog", "Explorer", "MemoryBars", "SwaWindow", "Timeline"]

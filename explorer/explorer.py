@@ -114,7 +114,7 @@ class Explorer:
             self._stop_following = self.session.on_change(self.update, every_s)
         elif self.session is not None:  # remote: the browser's ticks redraw on the kernel's thread
             self._ticker = widgets.Play(interval=int(every_s * 1000), max=10**9, show_repeat=False,
-                                        description="follow", _playing=True)
+                                        description="follow", playing=True)
             self._ticker.observe(lambda _: self.update(), names="value")
             self._stop_following = None
         else:

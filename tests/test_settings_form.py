@@ -37,3 +37,15 @@ def test_the_estimate_lines_name_each_device_and_say_when_it_does_not_fit():
         assert fits and lines[0] == "fits: True" and lines[1].startswith("CPU")
         fits, lines = estimate_lines(session.estimate(n_ctx=4096, n_gpu_layers=99, devices=["VGPU0=1MiB"]))
         assert not fits and any("VGPU0" in line and "DOES NOT FIT" in line and "(virtual)" in line for line in lines)
+
+
+@pytest.mark.parametrize("setting", [dict(publish_attention=True), dict(publish_logits=True), dict(kv_cache_debug=1)])
+def test_a_session_that_publishes_more_still_estimates_its_memory(setting):
+    with Session("demo", settings=dict(n_ctx=256, **setting), threaded=False) as session:
+        plain = Session("demo", settings=dict(n_ctx=256), threaded=False)
+        try:
+            parts = ("device", "model_bytes", "kv_bytes", "compute_bytes")  # the host's free memory moves meanwhile
+            assert [{k: d[k] for k in parts} for d in session.estimate().to_dict()["devices"]] == \
+                [{k: d[k] for k in parts} for d in plain.estimate().to_dict()["devices"]]
+        finally:
+            plain.close()

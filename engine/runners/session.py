@@ -43,6 +43,7 @@ log = logging.getLogger("kvscope.session")
 # What a session's context gets unless told otherwise: small enough that the cache's behaviour shows
 # within seconds on the demo model (the same names as engine.Context's settings).
 DEFAULT_SETTINGS: dict[str, Any] = dict(n_ctx=512, n_seq_max=8, kv_unified=True)
+NOT_MEMORY_SETTINGS = ("publish_attention", "publish_logits", "kv_cache_debug", "abort_callback", "bus")
 
 
 class SessionClosedError(KvscopeError):
@@ -156,6 +157,8 @@ class Session:
         """What the context would hold per device with these settings instead of the current ones (from
         file headers only; nothing changes). The model loaded in memory is estimated by its path."""
         merged = {**self._settings, **settings}
+        for name in NOT_MEMORY_SETTINGS:  # settings of what a context publishes or prints, not of its bytes
+            merged.pop(name, None)
         return estimate(self._model.path, **merged)
 
     # ---- running ------------------------------------------------------------------------------

@@ -48,8 +48,12 @@ class Watcher:
 
     @classmethod
     def of(cls, source, *, maxsize: int = 1 << 16, **options) -> Watcher:
-        """A watcher of anything with subscribe(maxsize) and current_state(): a Session, a RemoteSession."""
-        return cls(source.subscribe(maxsize), source.current_state, **options)
+        """A watcher of anything with subscribe(maxsize) and current_state(): a Session, a RemoteSession.
+        It leaves out OutputLogProbs: a vocabulary's worth of numbers per token, for comparisons (engine/
+        watch/compare.py has its own subscription), which nothing a watcher keeps uses."""
+        subscription = source.subscribe(maxsize)
+        subscription.left_out = (ev.OutputLogProbs,)
+        return cls(subscription, source.current_state, **options)
 
     @property
     def stale(self) -> bool:
