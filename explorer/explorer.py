@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import html
+import shlex
 import time
 from pathlib import Path
 
@@ -51,10 +52,9 @@ def open_source(source=None, flags: str | list[str] = (), *, start: bool = True)
         text = str(source)
         if text.endswith(".kvtrace"):
             return replay_source(text)
+        words = shlex.split(flags) if isinstance(flags, str) else list(flags)
         if text.startswith("tcp://"):
-            words = [flags] if isinstance(flags, str) and flags else list(flags)
             return source_from_flags(["--connect", text, *words])
-        words = flags.split() if isinstance(flags, str) else list(flags)
         return source_from_flags(["-m", text, *words], start=start)
     if hasattr(source, "bus"):
         return session_source(source, label=source.status().model)
@@ -116,6 +116,7 @@ class Explorer:
             self._ticker = widgets.Play(interval=int(every_s * 1000), max=10**9, show_repeat=False,
                                         description="follow", playing=True)
             self._ticker.observe(lambda _: self.update(), names="value")
+            self.widget.children = (*self.widget.children, self._ticker)
             self._stop_following = None
         else:
             self._stop_following = None
@@ -123,9 +124,7 @@ class Explorer:
 
     def _timeline(self, history: bool) -> Timeline | None:
         if self.source.replay is not None:
-            timeline = Timeline(path=Path(self.source.label))
-            self.source.replay.close()
-            self.source.replay = timeline.replay
+            timeline = Timeline(path=Path(self.source.label), replay=self.source.replay)
             for view in self.views:
                 view.show(timeline.watcher)
         elif self.local and history:
@@ -153,12 +152,7 @@ class Explorer:
         if self.timeline is not None:
             parts.append(self.timeline.widget)
         parts.append(self.log.widget)
-        if self._ticker_widget() is not None:
-            parts.append(self._ticker_widget())
         return widgets.VBox(parts)
-
-    def _ticker_widget(self):
-        return getattr(self, "_ticker", None)
 
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)

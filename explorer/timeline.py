@@ -27,10 +27,14 @@ class Timeline:
     or the live watcher while live). Moves: seek(i), step(n), jump(direction) to the next event the
     filter keeps, go_live()."""
 
-    def __init__(self, *, path: Path, live_watcher: Watcher | None = None, recorder: Recorder | None = None,
-                 runner: Callable[[Callable[[], object]], object] | None = None) -> None:
+    def __init__(self, *, path: Path, replay: Replay | None = None, live_watcher: Watcher | None = None,
+                 recorder: Recorder | None = None, runner: Callable[[Callable[[], object]], object] | None = None) -> None:
+        """A recording's timeline (path; replay: one already open on it), or a live session's (live_watcher,
+        and the recorder writing its history to path)."""
         self.path, self.live_watcher, self.recorder, self.runner = path, live_watcher, recorder, runner
-        self.replay: Replay | None = None if recorder is not None else Replay.open(path)
+        if replay is None and recorder is None:
+            replay = Replay.open(path)
+        self.replay: Replay | None = replay
         self.views: list = []
         self.moved: Callable[[], None] | None = None  # called after every move (the explorer's header)
         self.filter = EventFilter()
@@ -90,6 +94,13 @@ class Timeline:
 
     def attach(self, *views) -> None:
         self.views.extend(views)
+
+    def show(self, *view_classes, **options) -> widgets.VBox:
+        """The timeline above new views of these classes drawn from it, in one box:
+        Timeline.open("run.kvtrace").show(CellGrid, EventLog)."""
+        views = [cls(self.watcher, **options) for cls in view_classes]
+        self.attach(*views)
+        return widgets.VBox([self.widget, *(v.widget for v in views)])
 
     # ---- moving --------------------------------------------------------------------------------------
     def seek(self, i: int) -> int:

@@ -22,7 +22,14 @@ class WatcherView:
 
     @classmethod
     def of(cls, source, **options):
-        """The view of a Session or a RemoteSession (anything a Watcher can watch)."""
+        """The view of a Session or a RemoteSession (anything a Watcher can watch), or of a recording's
+        path, shown at its last event (Timeline.open(path).show(...) scrubs it)."""
+        if isinstance(source, (str, Path)):
+            from engine.watch.replay import Replay
+
+            replay = Replay.open(source)
+            replay.seek(len(replay) - 1)
+            return cls(replay.watcher, **options)
         return cls(Watcher.of(source), **options)
 
     def follow(self, session, every_s: float = 0.2) -> Callable[[], None]:

@@ -130,7 +130,11 @@ def drive(page, out: Path, report: dict) -> None:
             page.wait_for_function(f"""() => {{ const m = document.body.innerText.match(/base (\\d+)\\/256/);
                                         return m && Number(m[1]) < {used}; }}""", timeout=15_000)
             assert used_cells(page) < used
-            page.screenshot(path=str(out / "explorer.png"))
+            # the picture for the README: another sequence selected, its window shown
+            page.locator(".widget-dropdown", has_text="sequence").locator("select").select_option("2")
+            page.locator("text=/seq 2: its next token/").first.wait_for(timeout=15_000)
+            time.sleep(1.0)
+            page.locator(".jp-Cell").nth(0).locator(".jp-OutputArea").screenshot(path=str(out / "explorer.png"))
 
             # 16k cells, generating as fast as it goes: grid redraws per second, and a cell run meanwhile
             run_cell(page, 1)

@@ -228,3 +228,27 @@ def test_a_remote_session_is_followed_and_driven_from_the_explorer():
             assert x.settings.estimate(), x.settings.estimate_text.value
         finally:
             x.close()
+
+
+def test_the_pieces_open_a_recording_in_one_line(tmp_path):
+    from engine.watch.recording import Recorder
+    from explorer import CellGrid, EventLog, MemoryBars, SwaWindow, Timeline
+
+    path = tmp_path / "run.kvtrace"
+    with demo() as session, Recorder(path) as recorder:
+        recorder.attach(session.bus)
+        session.step(6).result()
+        recorder.pump()
+        final = session.engine_cells().result()["swa"]["cells"][0]
+    grid = CellGrid.of(str(path), columns=32)
+    assert ((np.array(grid.trace(1, CELLS).z, dtype=float).ravel()[:256] != EMPTY_BAND)
+            == np.array([pos >= 0 for pos, _, _ in final])).all()
+    assert SwaWindow.of(str(path), seq=1).seen is not None
+    assert "CPU" in MemoryBars.of(str(path)).figure.data[0].y
+    assert "DecodeFinished" in EventLog.of(str(path)).text.value
+    timeline = Timeline.open(path)
+    box = timeline.show(CellGrid, EventLog)
+    assert len(box.children) == 3 and len(timeline.views) == 2
+    timeline.seek(3)
+    assert timeline.views[0].watcher is timeline.replay.watcher and "event 4 of" in timeline.label.value
+    timeline.close()
