@@ -252,3 +252,27 @@ def test_the_pieces_open_a_recording_in_one_line(tmp_path):
     timeline.seek(3)
     assert timeline.views[0].watcher is timeline.replay.watcher and "event 4 of" in timeline.label.value
     timeline.close()
+
+
+def test_a_view_exports_to_png_for_slides(explorer, tmp_path):
+    pytest.importorskip("kaleido", reason="PNG export needs kaleido (the jupyter extra)")
+    from PIL import Image
+
+    from tests.jupyter_browser import find_chromium
+
+    if find_chromium() is None:
+        pytest.skip("PNG export needs Chrome or Chromium; none on the PATH")
+    x = explorer
+    x.session.step(3).result()
+    path = x.export_png(tmp_path / "view.png", width=800, scale=1.0)
+    with Image.open(path) as image:
+        heights = [f.layout.height for f in x.figures()]
+        assert image.format == "PNG" and image.width == 800 and image.height == sum(heights)
+        colours = {c for _, c in image.convert("RGB").getcolors(1 << 20)}
+    from engine.watch import style
+
+    def rgb(colour: str) -> tuple[int, int, int]:
+        return tuple(int(colour[k:k + 2], 16) for k in (1, 3, 5))
+
+    # the shared system prompt (seq 0, copied to every client) and seq 1's own cells, in their colours
+    assert rgb(style.SHARED_COLOR_ON_LIGHT) in colours and rgb(style.seq_color(1, False)) in colours
