@@ -4,7 +4,8 @@ Each panel is a heatmap of `columns` cells a row; its colour scale has one band 
 (sequence s: band s % 12), then "several sequences" and "empty", as engine/watch/style.py defines them
 for both explorers. Hovering a cell gives its index, position, sequences, pending shift and the last
 thing that happened to it (the watch layer's cell history). Markers show the head (where the next slot
-search starts), the cells changed since the previous update and those the last decode's dry run touched.
+search starts), the cells changed since the previous update, those the last decode's dry run touched, and
+(a red !) those an event touched that reproduces a llama.cpp QUIRK (the event log says which).
 With a sequence selected, its cells outside the sliding window are crossed, and (attention=True, on a
 session made with publish_attention) the weight its last token gave each cell is laid over the grid in
 red, per layer or averaged over the cache's layers.
@@ -28,8 +29,8 @@ from engine.watch.watcher import Watcher
 from explorer.view import WatcherView
 
 SHARED_BAND, EMPTY_BAND = len(style.PALETTE), len(style.PALETTE) + 1
-CELLS, ATTENTION, CHANGED, DRY_RUN, HEAD, MASKED = range(6)  # each lane's traces, in this order
-TRACES_PER_LANE = 6
+CELLS, ATTENTION, CHANGED, DRY_RUN, QUIRK, HEAD, MASKED = range(7)  # each lane's traces, in this order
+TRACES_PER_LANE = 7
 ATTENTION_COLORSCALE = [[0.0, "rgba(214,39,40,0)"], [1.0, "rgba(214,39,40,0.9)"]]  # none: see-through
 N_BANDS = len(style.PALETTE) + 2
 
@@ -185,6 +186,8 @@ class CellGrid(WatcherView):
                            marker=dict(symbol="square-open", size=9, color="#D55E00")),
                 go.Scatter(mode="text", name="dry run", showlegend=k == 0, hoverinfo="skip", text=[], **axes,
                            textfont=dict(color="#CC79A7")),
+                go.Scatter(mode="text", name="QUIRK (llama.cpp's, reproduced)", showlegend=k == 0, hoverinfo="skip",
+                           text=[], textfont=dict(color=style.QUIRK_COLOR, size=13), **axes),
                 go.Scatter(mode="markers", name="head", showlegend=k == 0, hoverinfo="skip", **axes,
                            marker=dict(symbol="triangle-down", size=10, color=style.HEAD_COLOR)),
                 go.Scatter(mode="markers", name="outside the window", showlegend=k == 0, hoverinfo="skip", **axes,
@@ -204,7 +207,7 @@ class CellGrid(WatcherView):
                                   legend=dict(orientation="h", x=0, xanchor="left", y=0, yanchor="top"))
 
     def _draw_lane(self, k: int, sf: StreamFrame, seen: SequenceVisibility | None) -> None:
-        heatmap, attention, changed, dry_run, head, masked = \
+        heatmap, attention, changed, dry_run, quirk, head, masked = \
             self.figure.data[TRACES_PER_LANE * k:TRACES_PER_LANE * (k + 1)]
         heatmap.z = as_rows(colour_bands(sf.owner), self.columns, np.nan)
         weights = self._weights(sf)
@@ -224,6 +227,8 @@ class CellGrid(WatcherView):
         changed.x, changed.y = x, y
         x, y = self._xy(np.flatnonzero(sf.tentative))
         dry_run.x, dry_run.y, dry_run.text = x, y, [style.GLYPH_TENTATIVE] * len(x)
+        x, y = self._xy(np.flatnonzero(sf.quirk) if sf.quirk is not None else np.array([], dtype=np.int64))
+        quirk.x, quirk.y, quirk.text = x, y, ["!"] * len(x)
         head.x, head.y = self._xy(np.array([sf.head] if sf.head < sf.size else [], dtype=np.int64))
 
     def _xy(self, cells: np.ndarray) -> tuple[list[int], list[int]]:

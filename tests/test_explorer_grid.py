@@ -113,3 +113,32 @@ def test_selecting_a_sequence_crosses_its_cells_outside_the_sliding_window():
         assert not grid.trace(lanes.index("base"), MASKED).x  # full attention: sees all
         grid.select(None)
         assert not grid.trace(swa, MASKED).x
+
+
+def test_cells_a_quirk_touched_are_marked_until_the_next_update():
+    from engine import events as ev
+    from explorer.grid import QUIRK
+
+    # with split streams the dry run's rollback restores heads in a way llama.cpp's code does (a QUIRK)
+    settings = dict(n_ctx=1280, pad=64, n_seq_max=5, kv_unified=False, swa_window=16)
+    with Session("demo", settings=settings, threaded=False, workload=WorkloadSpec(
+            "parallel", n_clients=4, n_sequences=40, n_predict=30, sampler=SamplerParams(temperature=0.0, seed=1))) \
+            as session:
+        sub = session.subscribe(kinds=(ev.CellsChanged,))
+        grid = CellGrid.of(session, widget=False)
+        marked = []
+        for _ in range(5):
+            session.step(1).result()
+            quirks = [e for e in sub.drain() if isinstance(e, ev.CellsChanged) and e.quirk]
+            grid.update()
+            lanes = [lane[:2] for lane in grid._lanes]
+            for event in quirks:
+                for change in event.changes:
+                    k = lanes.index((event.cache, change.stream))
+                    quirk = grid.trace(k, QUIRK)
+                    shown = {int(y) * grid.columns + int(x) for x, y in zip(quirk.x, quirk.y)}
+                    assert set(change.cells.tolist()) <= shown
+                marked.append(event)
+        assert marked, "split streams roll back the dry run's slots within 5 steps"
+        grid.update()  # nothing new: no mark left
+        assert not any(len(grid.trace(k, QUIRK).x or ()) for k in range(len(grid._lanes)))

@@ -31,6 +31,7 @@ class StreamFrame:
     changed: np.ndarray  # bool: different from the previous frame, or changed and changed back since
     tentative: np.ndarray  # bool: touched by the dry run (slot search) of the last decode since the previous frame
     head: int
+    quirk: np.ndarray | None = None  # bool: touched by an event that reproduces a llama.cpp QUIRK since the previous frame
 
     @property
     def size(self) -> int:
@@ -64,6 +65,7 @@ class _Marks:
         self.n_seqs = np.zeros(size, dtype=np.int16)
         self.dirty = np.zeros(size, dtype=bool)
         self.tentative = np.zeros(size, dtype=bool)
+        self.quirk = np.zeros(size, dtype=bool)
         self.shown_pos = np.full(size, -1, dtype=np.int64)
         self.shown_shift = np.zeros(size, dtype=np.int64)
         self.shown_owner, self.shown_n_seqs = self.owner.copy(), self.n_seqs.copy()
@@ -86,11 +88,12 @@ class _Marks:
                           | (self.owner[dirty] != self.shown_owner[dirty])
                           | (self.n_seqs[dirty] != self.shown_n_seqs[dirty]))
         frame = StreamFrame(cache, stream, st.pos.copy(), self.owner.copy(), self.n_seqs.copy(), st.shift.copy(),
-                            changed, self.tentative.copy(), st.head)
+                            changed, self.tentative.copy(), st.head, self.quirk.copy())
         self.shown_pos[dirty], self.shown_shift[dirty] = st.pos[dirty], st.shift[dirty]
         self.shown_owner[dirty], self.shown_n_seqs[dirty] = self.owner[dirty], self.n_seqs[dirty]
         self.dirty[:] = False
         self.tentative[:] = False
+        self.quirk[:] = False
         return frame
 
 
@@ -115,6 +118,8 @@ class FrameSource:
                     marks.dirty[cells] = True
                     if event.tentative:
                         marks.tentative[cells] = True
+                    if event.quirk:
+                        marks.quirk[cells] = True
         elif isinstance(event, ev.DecodeStarted):
             # a frame shows the slot search of the latest decode: over many steps (a slow view, a replay's
             # jump) the searches of all of them would mark nearly every cell
