@@ -32,7 +32,7 @@ from engine.arguments import int_arg, optional_int
 from engine.context import Context
 from engine.errors import KvscopeError
 from engine.models.model import Model, load_model
-from engine.runners.heap import release_free_heap
+from engine.runners.heap import release_free_heap, share_arenas
 from engine.runners.workloads import IDLE, WorkloadSpec, make_workload
 from engine.sizing.estimate import estimate
 from engine.watch.protocol import Status, StepOutcome
@@ -93,6 +93,7 @@ class Session:
         self.threaded = threaded
         self._thread: threading.Thread | None = None
         if threaded:
+            share_arenas()  # before this session's threads, and those of the views and servers it brings, start
             # Every torch call of the session happens on its worker, the model's load included: a process
             # whose main thread also ran torch ops decodes from a second thread up to a third slower (two
             # OpenMP teams on two cores), which this avoids whenever the session loads the model itself.
