@@ -29,7 +29,10 @@ def layer_map_text(devices: DeviceMirror) -> str:
 
 
 class MemoryBars(WatcherView):
-    """One stacked bar per device; update() polls the watcher and redraws."""
+    """One stacked bar per device; update() polls the watcher and redraws what changed."""
+
+    def forget(self) -> None:
+        self._shown = ()
 
     def __init__(self, watcher: Watcher, *, widget: bool = True) -> None:
         self.watcher = watcher
@@ -44,6 +47,7 @@ class MemoryBars(WatcherView):
                                   xaxis_title="MiB",
                                   legend=dict(orientation="h", x=0, xanchor="left", y=-0.35, yanchor="top",
                                               traceorder="normal"))
+        self._shown: tuple = ()
         self.update()
 
     def update(self) -> None:
@@ -51,6 +55,10 @@ class MemoryBars(WatcherView):
         devices = self.watcher.mirror.devices
         rows = list(devices.rows.values())
         labels = [row.label for row in rows]
+        shown = (tuple(labels), tuple((tuple(sorted(r.bytes.items())), r.capacity) for r in rows), devices.layer_letters())
+        if shown == self._shown:
+            return  # nothing to send to the browser
+        self._shown = shown
         with self.figure.batch_update():
             for trace, part in zip(self.figure.data, PARTS):
                 trace.x, trace.y = [mib(row.bytes.get(part, 0)) for row in rows], labels

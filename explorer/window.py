@@ -70,16 +70,23 @@ class SwaWindow(WatcherView):
                                   legend=dict(orientation="h", x=0, xanchor="left", y=-0.45, yanchor="top",
                                               font=dict(size=10)))
         self.seen: SequenceVisibility | None = None
+        self._empty_for: int | None = -1  # the selection the empty figure was drawn for (-1: not drawn empty)
         self.update()
 
     def select(self, seq: int | None) -> SequenceVisibility | None:
         self.seq = seq
         return self.update()
 
+    def forget(self) -> None:
+        self._empty_for = -1
+
     def update(self) -> SequenceVisibility | None:
         self.watcher.poll()
         self.seen = self._visibility()
         bars, marker = self.figure.data[:len(WHAT)], self.figure.data[len(WHAT)]
+        if self.seen is None and self._empty_for == self.seq:
+            return None  # already drawn so: nothing to send
+        self._empty_for = self.seq if self.seen is None else -1
         with self.figure.batch_update():
             if self.seen is None:
                 for trace in (*bars, marker):

@@ -142,3 +142,24 @@ def test_cells_a_quirk_touched_are_marked_until_the_next_update():
         assert marked, "split streams roll back the dry run's slots within 5 steps"
         grid.update()  # nothing new: no mark left
         assert not any(len(grid.trace(k, QUIRK).x or ()) for k in range(len(grid._lanes)))
+
+
+def test_an_update_with_nothing_new_sends_nothing(session):
+    grid = CellGrid.of(session, widget=False)
+    session.add_prompt("In the beginning").result()
+    session.step(2).result()
+    grid.update()  # draws the step's marks
+    drawn = []
+    draw = grid._draw_lane
+    grid._draw_lane = lambda *a: drawn.append(a[0]) or draw(*a)
+    grid.update()  # clears them
+    assert drawn
+    drawn.clear()
+    grid.update()
+    assert drawn == [], "nothing changed: the lanes are not drawn again"
+    grid.select(0)
+    assert drawn, "a new selection is drawn"
+    drawn.clear()
+    session.step(1).result()
+    grid.update()
+    assert drawn
