@@ -27,6 +27,7 @@ from engine.watch.describe import status_parts, tokens_per_second
 from engine.watch.watcher import Watcher
 from explorer.grid import CellGrid
 from explorer.memory import MemoryBars
+from explorer.view import row
 
 COMMON_SETTINGS = dict(n_ctx=512, n_seq_max=1, kv_unified=True)
 GREEDY = dict(temperature=0.0, seed=1)
@@ -98,7 +99,7 @@ class Compare:
         self.run_button.observe(lambda c: self.run() if c["new"] else self.pause(), names="value")
         self.step_button.on_click(lambda _: self.step())
         self.widget = widgets.VBox([
-            widgets.HBox([self.prompt, self.add_button, self.run_button, self.step_button]), self.message,
+            row([self.prompt, self.add_button, self.run_button, self.step_button]), self.message,
             widgets.HBox([c.widget for c in self.columns]), self.summary, self.figure])
         # every redraw on a's worker: b's changes are queued there too, so two redraws never overlap
         self._stops = [a.on_change(self.update, every_s), b.on_change(lambda: a.call(self.update), every_s)]

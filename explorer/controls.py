@@ -10,6 +10,7 @@ from typing import Callable
 import ipywidgets as widgets
 
 from engine.watch.describe import free_seq
+from explorer.view import row
 
 NONE = "none"
 
@@ -51,21 +52,21 @@ class SessionControls:
                                               layout=widgets.Layout(width="110px"), style={"description_width": "20px"})
         self.n_keep = widgets.BoundedIntText(value=4, min=0, max=1 << 20, description="n_keep",
                                              layout=widgets.Layout(width="150px"), style={"description_width": "50px"})
-        self.state_path = widgets.Text(value=state_path, description="state file", layout=widgets.Layout(width="320px"))
+        self.state_path = widgets.Text(value=state_path, description="state file", layout=widgets.Layout(width="260px"))
         self.seq_only = widgets.Checkbox(value=False, description="selected sequence only", indent=False,
                                          layout=widgets.Layout(width="190px"))
         self.save = button("save", "llama_state_get_data (or _seq_ with the box ticked) to the file", "70px")
         self.load = button("load", "llama_state_set_data (or _seq_) from the file", "70px")
-        self.record_path = widgets.Text(value=recorder_path, description="recording", layout=widgets.Layout(width="320px"))
+        self.record_path = widgets.Text(value=recorder_path, description="recording", layout=widgets.Layout(width="260px"))
         self.record = widgets.ToggleButton(description="record", tooltip="write the event stream to a .kvtrace file",
                                            icon="circle", layout=widgets.Layout(width="100px"))
         self._wire()
         self.widget = widgets.VBox([
-            widgets.HBox([self.run, self.step, self.n_steps, self.speed]),
-            widgets.HBox([self.prompt, self.add_prompt]),
-            widgets.HBox([*(self.ops[k] for k in ("rm", "cp", "keep", "add")), self.delta, self.ops["div"], self.divisor,
+            row([self.run, self.step, self.n_steps, self.speed]),
+            row([self.prompt, self.add_prompt]),
+            row([*(self.ops[k] for k in ("rm", "cp", "keep", "add")), self.delta, self.ops["div"], self.divisor,
                           self.ops["shift"], self.n_keep, self.ops["clear"]]),
-            widgets.HBox([self.state_path, self.seq_only, self.save, self.load, self.record_path, self.record]),
+            row([self.state_path, self.seq_only, self.save, self.load, self.record_path, self.record]),
             self.message])
 
     # ---- what the buttons do ------------------------------------------------------------------------

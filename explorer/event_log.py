@@ -11,7 +11,7 @@ from engine import events as ev
 from engine.watch import style
 from engine.watch.describe import EVENT_GROUPS, EventFilter, describe_event, event_seqs, held_seqs
 from engine.watch.watcher import Watcher
-from explorer.view import WatcherView, observe_value, replace_options
+from explorer.view import WatcherView, observe_value, replace_options, row
 
 ANY = "any"
 
@@ -42,7 +42,7 @@ class EventLog(WatcherView):
         self.text = widgets.HTML(layout=widgets.Layout(height=f"{1.45 * lines + 0.6:.1f}em", overflow="auto"))
         for control in (self.group, self.seq, self.cache):
             observe_value(control, self._filter_changed)
-        self.widget = widgets.VBox([widgets.HBox([self.group, self.seq, self.cache]), self.text])
+        self.widget = widgets.VBox([row([self.group, self.seq, self.cache]), self.text])
         self._shown_at: tuple = ()
         self.update()
 

@@ -34,7 +34,7 @@ from explorer.grid import CellGrid
 from explorer.memory import MemoryBars
 from explorer.settings import SettingsPanel
 from explorer.timeline import Timeline
-from explorer.view import observe_value, replace_options
+from explorer.view import observe_value, replace_options, row
 from explorer.window import SwaWindow
 
 NO_SEQ = "none"
@@ -136,10 +136,10 @@ class Explorer:
         return timeline
 
     def _lay_out(self) -> widgets.Widget:
-        selection = widgets.HBox([self.seq_menu, self.attention_box, self.layer_menu, self.export_path,
+        selection = row([self.seq_menu, self.attention_box, self.layer_menu, self.export_path,
                                   self.export_html_button, self.export_png_button])
-        side = widgets.VBox([self.bars.widget, self.window.widget], layout=widgets.Layout(width="42%"))
-        main = widgets.HBox([widgets.Box([self.grid.widget], layout=widgets.Layout(width="58%")), side])
+        main = row([self.grid.widget, widgets.VBox([self.bars.widget, self.window.widget])])
+        main.layout.align_items = "flex-start"
         parts = [self.header, self.status]
         if self.controls is not None:
             parts.append(self.controls.widget)

@@ -136,6 +136,11 @@ class CellGrid(WatcherView):
             return []
         return np.flatnonzero(np.unpackbits(streams[stream].seq_bits[cell], bitorder="little")).tolist()
 
+    def width(self) -> int:
+        """The figure's width in pixels: square-ish cells of 18 pixels up to 48 columns, narrower beyond
+        (a notebook's output area is about 1000 pixels wide)."""
+        return 50 + self.columns * (18 if self.columns <= 48 else max(4, 1000 // self.columns))
+
     def trace(self, lane: int, which: int):
         """One of a lane's traces: CELLS, ATTENTION, CHANGED, DRY_RUN, HEAD or MASKED."""
         return self.figure.data[TRACES_PER_LANE * lane + which]
@@ -215,11 +220,13 @@ class CellGrid(WatcherView):
             suffix = str(k + 1) if k else ""
             n_rows = max(1, math.ceil(sf.size / self.columns))
             step = max(1, n_rows // 8)  # the first cell of every few rows, as the terminal explorer labels rows
+            # fixed ranges: markers at the edges must not pad one lane narrower than another
             self.figure.layout[f"yaxis{suffix}"].update(
-                autorange="reversed", showgrid=False, zeroline=False, tickvals=list(range(0, n_rows, step)),
+                range=[n_rows - 0.5, -0.5], autorange=False, showgrid=False, zeroline=False, tickvals=list(range(0, n_rows, step)),
                 ticktext=[str(r * self.columns) for r in range(0, n_rows, step)], tickfont=dict(size=9))
-            self.figure.layout[f"xaxis{suffix}"].update(showticklabels=False, showgrid=False, zeroline=False)
-        self.figure.update_layout(height=height + 30, margin=dict(l=40, r=10, t=50, b=40),
+            self.figure.layout[f"xaxis{suffix}"].update(range=[-0.5, self.columns - 0.5], autorange=False,
+                                                         showticklabels=False, showgrid=False, zeroline=False)
+        self.figure.update_layout(height=height + 30, width=self.width(), margin=dict(l=40, r=10, t=50, b=40),
                                   plot_bgcolor="rgba(0,0,0,0)",
                                   legend=dict(orientation="h", x=0, xanchor="left", y=0, yanchor="top"))
 

@@ -12,6 +12,7 @@ from explorer.view import WatcherView
 
 PART_NAMES = {"weights": "weights", "kv": "K/V", "compute": "compute"}
 FREE_COLOR = "#E8E8E8"
+SIDE_WIDTH = 440  # pixels: the memory bars and the window sit beside the grid in the explorer
 
 
 def mib(n: int) -> float:
@@ -43,8 +44,8 @@ class MemoryBars(WatcherView):
                                          hovertemplate="%{y}: %{x:.1f} MiB " + PART_NAMES[part] + "<extra></extra>"))
         self.figure.add_trace(go.Bar(orientation="h", name="free", marker_color=FREE_COLOR,
                                      hovertemplate="%{y}: %{x:.1f} MiB free<extra></extra>"))
-        self.figure.update_layout(barmode="stack", height=160, margin=dict(l=10, r=10, t=40, b=60),
-                                  xaxis_title="MiB",
+        self.figure.update_layout(barmode="stack", height=160, width=SIDE_WIDTH, margin=dict(l=10, r=10, t=40, b=60),
+                                  xaxis=dict(ticksuffix=" MiB"),
                                   legend=dict(orientation="h", x=0, xanchor="left", y=-0.35, yanchor="top",
                                               traceorder="normal"))
         self._shown: tuple = ()

@@ -18,6 +18,7 @@ from engine.watch.describe import EVENT_GROUPS, EventFilter, describe_event
 from engine.watch.recording import Recorder
 from engine.watch.replay import Replay
 from engine.watch.watcher import Watcher
+from explorer.view import row
 
 
 class Timeline:
@@ -40,7 +41,7 @@ class Timeline:
         self.filter = EventFilter()
         self._setting = False  # the slider is being moved by the code, not by a person
         self.slider = widgets.IntSlider(min=0, max=0, value=0, description="event", continuous_update=False,
-                                        layout=widgets.Layout(width="55%"))
+                                        layout=widgets.Layout(width="420px"))
         self.play = widgets.Play(min=0, max=0, interval=100, step=1, description="play")
         widgets.jslink((self.play, "value"), (self.slider, "value"))
         self.back = widgets.Button(icon="step-backward", tooltip="one event back")
@@ -61,7 +62,7 @@ class Timeline:
         self.slider.observe(self._slider_moved, names="value")
         self.live_button.observe(self._live_toggled, names="value")
         self.widget = widgets.VBox([
-            widgets.HBox([self.play, self.previous_kind, self.back, self.slider, self.forward, self.next_kind,
+            row([self.play, self.previous_kind, self.back, self.slider, self.forward, self.next_kind,
                           self.kind, self.live_button]),
             self.label])
         if self.replay is not None:

@@ -101,3 +101,11 @@ def replace_options(menu, options: list) -> None:
         menu.value = value
     finally:
         menu._options_replaced = False
+
+
+def row(children: list) -> object:
+    """Controls side by side, wrapping onto the next line where the page is narrow (a row never widens
+    the explorer past the notebook)."""
+    import ipywidgets as widgets
+
+    return widgets.HBox(children, layout=widgets.Layout(flex_flow="row wrap", align_items="center"))
