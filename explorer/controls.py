@@ -12,7 +12,7 @@ import ipywidgets as widgets
 from engine.watch.describe import free_seq
 from explorer.view import row
 
-NONE = "none"
+WORKLOADS = ("idle", "generate", "parallel")
 
 
 def button(description: str, tooltip: str, width: str = "auto", style: str = "") -> widgets.Button:
@@ -34,6 +34,11 @@ class SessionControls:
         self.speed = widgets.FloatSlider(value=session.status().steps_per_second if session is not None else 8.0, min=0, max=50,
                                          step=1, description="steps/s", readout_format=".0f",
                                          tooltip="0: as fast as the machine goes", continuous_update=False)
+        self.workload = widgets.Dropdown(options=WORKLOADS, description="workload",
+                                         value=session.status().workload if session is not None else "idle",
+                                         tooltip="idle: prompts you add; generate: each prompt generates; "
+                                                 "parallel: llama.cpp's parallel clients",
+                                         layout=widgets.Layout(width="200px"))
         self.prompt = widgets.Text(placeholder="And God said unto Moses", description="prompt",
                                    layout=widgets.Layout(width="420px"))
         self.add_prompt = button("add", "the prompt as a new sequence (a new request of the parallel workload)")
@@ -62,7 +67,7 @@ class SessionControls:
                                            icon="circle", layout=widgets.Layout(width="100px"))
         self._wire()
         self.widget = widgets.VBox([
-            row([self.run, self.step, self.n_steps, self.speed]),
+            row([self.run, self.step, self.n_steps, self.speed, self.workload]),
             row([self.prompt, self.add_prompt]),
             row([*(self.ops[k] for k in ("rm", "cp", "keep", "add")), self.delta, self.ops["div"], self.divisor,
                           self.ops["shift"], self.n_keep, self.ops["clear"]]),
@@ -78,6 +83,8 @@ class SessionControls:
                                                   lambda _: f"speed: {c['new']:.0f} steps/s" if c["new"] else
                                                   "speed: as fast as possible"), names="value")
         self.add_prompt.on_click(lambda _: self.add())
+        self.workload.observe(lambda c: self.command(
+            "set_workload", self.session.set_workload(c["new"]), lambda _: f"workload: {c['new']}"), names="value")
         for name, b in self.ops.items():
             b.on_click(lambda _, name=name: self.seq_op(name))
         self.save.on_click(lambda _: self.save_state())

@@ -276,3 +276,32 @@ def test_a_view_exports_to_png_for_slides(explorer, tmp_path):
 
     # the shared system prompt (seq 0, copied to every client) and seq 1's own cells, in their colours
     assert rgb(style.SHARED_COLOR_ON_LIGHT) in colours and rgb(style.seq_color(1, False)) in colours
+
+
+def test_prompt_state_and_clear_from_the_controls(explorer, tmp_path):
+    x = explorer
+    x.session.step(4).result()
+    x.controls.prompt.value = "Who built the ark?"
+    x.controls.add_prompt.click()
+    assert "prompt added" in x.controls.message.value
+    before = grid_owners(x).copy()
+    x.controls.state_path.value = str(tmp_path / "whole.bin")
+    x.controls.save.click()
+    assert "saved to" in x.controls.message.value and (tmp_path / "whole.bin").stat().st_size > 0
+    x.controls.load.click()
+    assert "the parallel workload owns its sequences" in x.controls.message.value, "told, not raised"
+    x.controls.workload.value = "generate"
+    assert "workload: generate" in x.controls.message.value
+    x.controls.ops["clear"].click()
+    assert "cache cleared" in x.controls.message.value and (grid_owners(x) == EMPTY_BAND).all()
+    x.controls.load.click()
+    assert "state loaded" in x.controls.message.value
+    assert (grid_owners(x) == before).all(), "the grid shows the cells the state file held"
+    x.controls.seq_only.value = True
+    x.seq_menu.value = "none"
+    x.controls.save.click()
+    assert "select a sequence first" in x.controls.message.value
+    x.controls.state_path.value = str(tmp_path / "missing" / "dir" / "x.bin")
+    x.controls.seq_only.value = False
+    x.controls.load.click()
+    assert "load_state failed" in x.controls.message.value
