@@ -239,6 +239,7 @@ def _glyph_arrays(lane: Lane) -> tuple[np.ndarray, np.ndarray]:
         levels = np.array(style.OCCUPANCY_GLYPHS)
         text = levels[np.where(f.occupancy <= 0, 0, np.minimum(4, 1 + (f.occupancy * 4 - 1e-9).astype(int)))]
     text = np.where(f.tentative, style.GLYPH_TENTATIVE, text)
+    text = np.where(f.quirk, style.GLYPH_QUIRK, text)
     key = colour + np.where(f.changed, CHANGED_BIT, 0)
     if lane.codes is not None and one:
         masked = lane.codes == CellVisibility.MASKED

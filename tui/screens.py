@@ -18,6 +18,7 @@ HELP = """\
 [b]Cells[/b]
   {empty}  empty          {one}  one sequence (its colour)      {shared}  several sequences
   [u b]{one}[/u b]  changed since the last frame                  ?  touched by a dry run (slot search)
+  [{quirk}]![/]  touched by an event that reproduces a llama.cpp QUIRK (the log's ! line says which)
   »/«  a pending shift (applied to the keys at the next decode: the K-shift)
   [on {head}] [/]  the head: where the next slot search starts
   ╳  the selected sequence's cell that its next token does not see (outside the sliding window)
@@ -55,7 +56,7 @@ class HelpScreen(ModalScreen[None]):
         colours = " ".join(f"[{c}]{style.GLYPH_ONE}{i}[/]"
                            for i, c in enumerate(style.palette(self.app.current_theme.dark)))
         text = HELP.format(empty=style.GLYPH_EMPTY, one=style.GLYPH_ONE, shared=style.GLYPH_SHARED,
-                           head=style.HEAD_COLOR, shades="".join(style.OCCUPANCY_GLYPHS[1:]), colours=colours)
+                           head=style.HEAD_COLOR, quirk=style.QUIRK_COLOR, shades="".join(style.OCCUPANCY_GLYPHS[1:]), colours=colours)
         with VerticalScroll():
             yield Static(text)
 

@@ -34,6 +34,11 @@ class StreamFrame:
     quirk: np.ndarray | None = None  # bool: touched by an event that reproduces a llama.cpp QUIRK since the previous frame
 
     @property
+    def quirks(self) -> np.ndarray:
+        """`quirk`, all False for a frame made without it."""
+        return self.quirk if self.quirk is not None else np.zeros(len(self.pos), dtype=bool)
+
+    @property
     def size(self) -> int:
         return len(self.pos)
 

@@ -7,7 +7,7 @@ folded into glyphs that each stand for several cells.
   sequence s always gets PALETTE[s % 12], in both UIs, in every run.
 - A cell is empty (a dim dot), held by one sequence (a solid block in its colour) or by several (a
   distinct light shade, the count on inspection); marks add what changed since the previous frame,
-  what a dry run touched, a pending shift, and QUIRK events.
+  what a dry run touched, a pending shift, and the cells a QUIRK event touched.
 - Folding: when a lane has more cells than columns, each glyph covers `cells_per_glyph` cells and is
   shaded by their occupancy, coloured by the sequence holding most of them.
 """
@@ -41,6 +41,7 @@ GLYPH_EMPTY = "·"
 GLYPH_ONE = "█"
 GLYPH_SHARED = "▒"
 GLYPH_TENTATIVE = "?"
+GLYPH_QUIRK = "!"  # a cell an event reproducing a llama.cpp QUIRK touched (the event log says which)
 GLYPH_HEAD = "▼"
 OCCUPANCY_GLYPHS = (" ", "░", "▒", "▓", "█")  # a folded glyph: none, under a quarter, ..., all cells used
 
@@ -116,6 +117,7 @@ class Folded:
     tentative: np.ndarray  # bool: a dry run touched a cell of it
     shifted: np.ndarray  # bool: a cell of it has a pending shift
     head: int  # the glyph that holds the head (n when the head is past the last cell)
+    quirk: np.ndarray  # bool: an event reproducing a llama.cpp QUIRK touched a cell of it
 
 
 def fold(frame: StreamFrame, columns: int) -> Folded:
@@ -124,7 +126,7 @@ def fold(frame: StreamFrame, columns: int) -> Folded:
     per = max(1, -(-size // max(columns, 1)))  # ceil
     if per == 1:  # nothing to fold: the frame's own columns
         return Folded(1, np.arange(size + 1), frame.owner.astype(np.int16, copy=False), (frame.pos >= 0).astype(float),
-                      frame.changed, frame.tentative, frame.shift != 0, min(frame.head, size))
+                      frame.changed, frame.tentative, frame.shift != 0, min(frame.head, size), frame.quirks)
     start = np.arange(0, size + per, per)
     start[-1] = size
     start = np.unique(np.minimum(start, size))
@@ -135,7 +137,7 @@ def fold(frame: StreamFrame, columns: int) -> Folded:
     owner = _dominant_owner(frame.owner, used, idx) if per > 1 else frame.owner.astype(np.int16)
     return Folded(per, start, owner, n_used / lengths, np.logical_or.reduceat(frame.changed, idx),
                   np.logical_or.reduceat(frame.tentative, idx), np.logical_or.reduceat(frame.shift != 0, idx),
-                  min(frame.head // per, len(idx)))
+                  min(frame.head // per, len(idx)), np.logical_or.reduceat(frame.quirks, idx))
 
 
 def _dominant_owner(owner: np.ndarray, used: np.ndarray, idx: np.ndarray) -> np.ndarray:
