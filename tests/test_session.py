@@ -373,3 +373,25 @@ def test_a_failing_on_change_is_an_event_and_the_worker_goes_on():
         assert len(s.step(3).result()) == 3
         failed = [e for e in sub.drain() if e.command == "on_change"]
         assert failed and not failed[0].ok and "ZeroDivisionError" in failed[0].error
+
+
+def test_call_runs_a_function_on_the_worker_between_steps_and_reports_its_failure():
+    import threading
+
+    from engine import events as ev
+    from engine.errors import KvscopeError
+
+    with Session("demo", settings=dict(n_ctx=256)) as session:
+        sub = session.subscribe(kinds=(ev.CommandDone,))
+        assert session.call(lambda: threading.current_thread().name).result(timeout=30) == "kvscope-session"
+
+        def fails():
+            raise ValueError("a view broke")
+
+        with pytest.raises(ValueError, match="a view broke"):
+            session.call(fails, "redraw").result(timeout=30)
+        session.step(1).result(timeout=30)  # the worker lives on
+        errors = [e for e in sub.drain() if isinstance(e, ev.CommandDone) and not e.ok]
+        assert [(e.command, e.error) for e in errors] == [("redraw", "ValueError: a view broke")]
+        with pytest.raises(KvscopeError, match="is not callable"):
+            session.call(42)
