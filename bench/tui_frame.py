@@ -32,6 +32,7 @@ from engine.watch.frames import SHARED, Frame, StreamFrame
 from engine.watch.watcher import Watcher
 from tui.app import KvscopeApp
 from engine.runners.demo import DEMO_SETTINGS, DEMO_WORKLOAD
+from engine.runners.launch import threads_beside_a_ui
 from tui.grid import CellGrid
 from engine.watch.sources import Source, session_source
 
@@ -137,8 +138,8 @@ async def key_latencies(app: KvscopeApp, n_keys: int) -> list[float]:
 
 
 async def keys_while_generating(n_keys: int) -> list[float]:
-    """The demo as `kvscope` runs it: a threaded session generating as fast as it can."""
-    with Session("demo", settings=DEMO_SETTINGS, workload=DEMO_WORKLOAD) as session:
+    """The demo as `kvscope` runs it (a core left to the explorer), generating as fast as it can."""
+    with Session("demo", settings=DEMO_SETTINGS, workload=DEMO_WORKLOAD, threads=threads_beside_a_ui()) as session:
         app = KvscopeApp(session_source(session, "demo"))
         async with app.run_test(size=(160, 48)) as pilot:
             await pilot.pause()

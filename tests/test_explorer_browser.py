@@ -77,7 +77,7 @@ def test_the_explorer_renders_runs_and_takes_commands_in_a_real_browser(tmp_path
         lab.wait_ready()
         with playwright_api.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-gpu"])
-            page = browser.new_page(viewport={"width": 1500, "height": 1250})
+            page = browser.new_page(viewport={"width": 1500, "height": 1600})
             page.goto(lab.notebook_url("explorer.ipynb"))
             try:
                 drive(page, out, report)

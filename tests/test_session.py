@@ -395,3 +395,26 @@ def test_call_runs_a_function_on_the_worker_between_steps_and_reports_its_failur
         assert [(e.command, e.error) for e in errors] == [("redraw", "ValueError: a view broke")]
         with pytest.raises(KvscopeError, match="is not callable"):
             session.call(42)
+
+
+def test_a_session_sets_torch_threads_when_asked_and_refuses_a_bad_count(monkeypatch):
+    import torch
+
+    from engine.errors import KvscopeError
+    from engine.runners.launch import threads_beside_a_ui
+
+    before = torch.get_num_threads()
+    try:
+        with Session("demo", settings=dict(n_ctx=256), threaded=False, threads=1):
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(KvscopeError, match="threads must be >= 1, got 0"):
+        Session("demo", threads=0)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert threads_beside_a_ui() == 7
+    monkeypatch.setattr("os.cpu_count", lambda: 1)
+    assert threads_beside_a_ui() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads_beside_a_ui() is None

@@ -15,7 +15,8 @@ DEMO_WORKLOAD = WorkloadSpec("parallel", n_clients=4, n_sequences=400, n_predict
                              context_shift=True, n_keep=-1, sampler=dict(temperature=0.8, seed=1))
 
 
-def demo_session(*, threaded: bool = True, steps_per_second: float = 8.0) -> Session:
-    """The demo session; steps_per_second: slow enough to watch (0: as fast as the machine goes)."""
+def demo_session(*, threaded: bool = True, steps_per_second: float = 8.0, threads: int | None = None) -> Session:
+    """The demo session; steps_per_second: slow enough to watch (0: as fast as the machine goes);
+    threads: torch's compute threads (None: torch's choice)."""
     return Session("demo", settings=DEMO_SETTINGS, workload=DEMO_WORKLOAD, threaded=threaded,
-                   steps_per_second=steps_per_second)
+                   steps_per_second=steps_per_second, threads=threads)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import shlex
 from collections.abc import Sequence
 
@@ -14,9 +15,20 @@ from engine.errors import KvscopeError
 from engine.watch.sources import Source, remote_source, replay_source, session_source
 
 
+def threads_beside_a_ui() -> int | None:
+    """torch's compute threads for a session that shares its process with an explorer: one core fewer
+    than the machine has, so that keys and redraws never wait for a decode's threads (in
+    bench/tui_frame.py on 2 cores the slowest of 40 keys took 42-61 ms instead of 51-102 ms). None
+    (torch's choice) when OMP_NUM_THREADS says how many."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    return max(1, (os.cpu_count() or 2) - 1)
+
+
 def open_source(args: argparse.Namespace, *, demo: bool, threaded: bool = True, start: bool | None = None) -> Source:
     """The source the parsed `tui` flags name; demo: the bundled model with the demo settings.
-    start: run the demo (None: when threaded)."""
+    start: run the demo (None: when threaded). A session run here leaves a core to the explorer
+    (threads_beside_a_ui)."""
     if args.connect:
         from engine.watch.remote import RemoteSession
 
@@ -26,7 +38,8 @@ def open_source(args: argparse.Namespace, *, demo: bool, threaded: bool = True, 
     if demo:
         from engine.runners.demo import demo_session
 
-        session = demo_session(threaded=threaded, steps_per_second=8.0 if threaded else 0.0)
+        session = demo_session(threaded=threaded, steps_per_second=8.0 if threaded else 0.0,
+                               threads=threads_beside_a_ui())
         if threaded if start is None else start:
             session.start()
         return session_source(session, label="demo: the parallel workload on the bundled model")
@@ -34,7 +47,7 @@ def open_source(args: argparse.Namespace, *, demo: bool, threaded: bool = True, 
 
     settings, spec = cli.session_settings(args)
     session = Session(args.model, settings=settings, workload=spec, steps_per_second=args.speed, dtype=args.dtype,
-                      threaded=threaded)
+                      threaded=threaded, threads=threads_beside_a_ui())
     cli.begin_session(session, args)
     return session_source(session, label=str(args.model))
 

@@ -32,7 +32,7 @@ from engine.arguments import int_arg, optional_int
 from engine.context import Context
 from engine.errors import KvscopeError
 from engine.models.model import Model, load_model
-from engine.runners.heap import release_free_heap, share_arenas
+from engine.runners.heap import release_free_heap
 from engine.runners.workloads import IDLE, WorkloadSpec, make_workload
 from engine.sizing.estimate import estimate
 from engine.watch.protocol import Status, StepOutcome
@@ -74,7 +74,13 @@ class Session:
 
     def __init__(self, model: str | Path | Model = "demo", *, settings: dict | None = None,
                  workload: str | WorkloadSpec = "idle", threaded: bool = True, steps_per_second: float = 0.0,
-                 bus: ev.EventBus | None = None, dtype: str = "f32") -> None:
+                 bus: ev.EventBus | None = None, dtype: str = "f32", threads: int | None = None) -> None:
+        """threads: torch's compute threads for the whole process (None: torch's own choice); a front-end
+        that shares the process leaves a core to itself (engine/runners/launch.py)."""
+        threads = optional_int(threads, "threads", "Session")
+        if threads is not None and threads < 1:
+            raise KvscopeError(f"Session: threads must be >= 1, got {threads}")
+        self._threads = threads
         self.bus = bus if bus is not None else ev.EventBus()
         self._settings = {**DEFAULT_SETTINGS, **(settings or {})}
         self._spec = workload if isinstance(workload, WorkloadSpec) else WorkloadSpec(kind=workload)
@@ -93,7 +99,6 @@ class Session:
         self.threaded = threaded
         self._thread: threading.Thread | None = None
         if threaded:
-            share_arenas()  # before this session's threads, and those of the views and servers it brings, start
             # Every torch call of the session happens on its worker, the model's load included: a process
             # whose main thread also ran torch ops decodes from a second thread up to a third slower (two
             # OpenMP teams on two cores), which this avoids whenever the session loads the model itself.
@@ -109,6 +114,10 @@ class Session:
         self._publish_status()
 
     def _open(self, model: str | Path | Model, dtype: str) -> None:
+        if self._threads is not None:
+            import torch
+
+            torch.set_num_threads(self._threads)
         self._model = model if isinstance(model, Model) else load_model(model, dtype=dtype)
         self.ctx = self._new_context(self._settings, self._spec)
         self._workload = make_workload(self._spec, self.ctx)
