@@ -65,7 +65,7 @@ class Explorer:
     """The cell grids, SWA window, memory bars, event log and timeline of a source, and its controls."""
 
     def __init__(self, source=None, flags: str | list[str] = (), *, columns: int = 64, dark: bool = False,
-                 every_s: float = 0.25, start: bool = True, history: bool = True, attention: bool = False) -> None:
+                 every_s: float = 0.2, start: bool = True, history: bool = True, attention: bool = False) -> None:
         """source, flags: see the module docstring; columns: cells per grid row; dark: colours for a dark
         page; every_s: at most this often a live session redraws; start: run the demo or the model at
         once; history: record a live session so the timeline can scrub back (a temporary .kvtrace)."""

@@ -65,7 +65,7 @@ class SwaWindow(WatcherView):
         self.figure.add_trace(go.Scatter(mode="markers", name="the next token", hovertemplate="%{y}: the next token at "
                                          "pos %{x}<extra></extra>", marker=dict(symbol="triangle-down", size=11,
                                                                                color=style.HEAD_COLOR)))
-        self.figure.update_layout(height=150, width=SIDE_WIDTH, margin=dict(l=10, r=10, t=40, b=30), xaxis_title="position",
+        self.figure.update_layout(height=150, width=SIDE_WIDTH, margin=dict(l=10, r=10, t=40, b=30),
                                   barmode="overlay", bargap=0.35, plot_bgcolor="rgba(0,0,0,0)",
                                   yaxis=dict(autorange="reversed"),
                                   legend=dict(orientation="h", x=0, xanchor="left", y=-0.45, yanchor="top",
