@@ -27,8 +27,8 @@ def threads_beside_a_ui() -> int | None:
 
 def open_source(args: argparse.Namespace, *, demo: bool, threaded: bool = True, start: bool | None = None) -> Source:
     """The source the parsed `tui` flags name; demo: the bundled model with the demo settings.
-    start: run the demo (None: when threaded). A session run here leaves a core to the explorer
-    (threads_beside_a_ui)."""
+    start: run the demo (None: when threaded). A threaded session (an explorer beside it) leaves a core
+    to the explorer (threads_beside_a_ui); a session stepped by hand (plain frames) keeps them all."""
     if args.connect:
         from engine.watch.remote import RemoteSession
 
@@ -39,7 +39,7 @@ def open_source(args: argparse.Namespace, *, demo: bool, threaded: bool = True, 
         from engine.runners.demo import demo_session
 
         session = demo_session(threaded=threaded, steps_per_second=8.0 if threaded else 0.0,
-                               threads=threads_beside_a_ui())
+                               threads=threads_beside_a_ui() if threaded else None)
         if threaded if start is None else start:
             session.start()
         return session_source(session, label="demo: the parallel workload on the bundled model")
@@ -47,7 +47,7 @@ def open_source(args: argparse.Namespace, *, demo: bool, threaded: bool = True, 
 
     settings, spec = cli.session_settings(args)
     session = Session(args.model, settings=settings, workload=spec, steps_per_second=args.speed, dtype=args.dtype,
-                      threaded=threaded, threads=threads_beside_a_ui())
+                      threaded=threaded, threads=threads_beside_a_ui() if threaded else None)
     cli.begin_session(session, args)
     return session_source(session, label=str(args.model))
 
