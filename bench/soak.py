@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
+import re
 import sys
 import tempfile
 import threading
@@ -51,6 +53,27 @@ def malloc_mib() -> tuple[float, float] | None:
     mallinfo2.restype = _MallInfo2
     info = mallinfo2()
     return (info.uordblks + info.hblkhd) / 2**20, info.fordblks / 2**20
+
+
+def python_arenas_mib() -> float | None:
+    """Memory of pymalloc's arenas (mmap'd outside glibc's heap, so mallinfo2 does not count it): arenas
+    allocated now times their size, from sys._debugmallocstats (which writes to the C stderr)."""
+    with tempfile.TemporaryFile(mode="w+") as out:
+        saved = os.dup(2)
+        try:
+            sys.stderr.flush()
+            os.dup2(out.fileno(), 2)
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        out.seek(0)
+        text = out.read()
+    count = re.search(r"# arenas allocated current\s*=\s*([\d,]+)", text)
+    size = re.search(r"arenas \* ([\d,]+) bytes/arena", text)
+    if count is None or size is None:
+        return None
+    return int(count.group(1).replace(",", "")) * int(size.group(1).replace(",", "")) / 2**20
 
 
 def rss_mib() -> float:
@@ -134,7 +157,9 @@ def main() -> int:
                 heap = malloc_mib()
                 if heap is not None:
                     parts.insert(0, f"malloc in use {heap[0]:.1f} MiB, free {heap[1]:.1f} MiB")
-                parts.insert(0, f"python blocks {sys.getallocatedblocks()}")
+                arenas = python_arenas_mib()
+                parts.insert(0, f"python blocks {sys.getallocatedblocks()}"
+                             + (f" in {arenas:.0f} MiB of arenas" if arenas is not None else ""))
                 print(f"{elapsed / 60:5.1f} min  rss {rss[-1][1]:7.1f} MiB  step {session.status().step:7d}  "
                       + " · ".join(parts), flush=True)
             if elapsed >= next_check:
