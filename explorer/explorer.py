@@ -84,6 +84,35 @@ class Explorer:
         self.views = [self.grid, self.window, self.bars, self.log]
         self.grid.on_cell_click = self._cell_clicked
         self.header, self.status = widgets.HTML(), widgets.HTML()
+        self._make_selection(attention)
+
+        self.controls = SessionControls(self.session, watcher, lambda: self.selected_seq) \
+            if self.session is not None else None
+        self.settings = SettingsPanel(self.session, self.controls.tell) if self.session is not None else None
+        self.timeline = self._timeline(history)
+        self.widget = self._lay_out()
+        self._ticker = None
+        self._stop_following = self._follow(every_s)
+        self.update()
+
+    def _follow(self, every_s: float):
+        """Redraw live: a local session's worker redraws (and runs the controls' redraws); a remote one is
+        ticked from the browser on the kernel's thread; a recording only moves with its timeline. Returns
+        what stops it (None: nothing to stop)."""
+        if self.local:
+            for view in self.views:
+                view.runner = self.session.call
+            return self.session.on_change(self.update, every_s)
+        if self.session is not None:
+            self._ticker = widgets.Play(interval=int(every_s * 1000), max=10**9, show_repeat=False,
+                                        description="follow", playing=True)
+            self._ticker.observe(lambda _: self.update(), names="value")
+            self.widget.children = (*self.widget.children, self._ticker)
+        return None
+
+    def _make_selection(self, attention: bool) -> None:
+        """The row that chooses what the views show: the sequence, its attention (mean or a layer), and
+        where the export buttons write."""
         self.seq_menu = widgets.Dropdown(options=[NO_SEQ], value=NO_SEQ, description="sequence",
                                          layout=widgets.Layout(width="180px"))
         self.attention_box = widgets.Checkbox(value=attention, description="attention", indent=False,
@@ -101,26 +130,6 @@ class Explorer:
         observe_value(self.layer_menu, lambda _: self._later(self._attention_changed))
         self.export_html_button.on_click(lambda _: self._export("html"))
         self.export_png_button.on_click(lambda _: self._export("png"))
-
-        self.controls = SessionControls(self.session, watcher, lambda: self.selected_seq) if self.session else None
-        self.settings = SettingsPanel(self.session, self.controls.tell) if self.session is not None else None
-        self.timeline = self._timeline(history)
-        self._ticker = None
-        self.widget = self._lay_out()
-        if self.local:
-            runner = self.session.call
-            for view in self.views:
-                view.runner = runner
-            self._stop_following = self.session.on_change(self.update, every_s)
-        elif self.session is not None:  # remote: the browser's ticks redraw on the kernel's thread
-            self._ticker = widgets.Play(interval=int(every_s * 1000), max=10**9, show_repeat=False,
-                                        description="follow", playing=True)
-            self._ticker.observe(lambda _: self.update(), names="value")
-            self.widget.children = (*self.widget.children, self._ticker)
-            self._stop_following = None
-        else:
-            self._stop_following = None
-        self.update()
 
     def _timeline(self, history: bool) -> Timeline | None:
         if self.source.replay is not None:
