@@ -43,13 +43,18 @@ class EventLog(RichLog, can_focus=False):  # the grid keeps the keys; the log sc
         """Append the kept events; of a burst, only the latest SHOWN_PER_FRAME (the log shows a few lines,
         and writing thousands of them per frame would slow the whole view), saying how many were passed."""
         kept = [e for e in events if self.keeps(e)]
+        if not kept:
+            return
+        lines = []
         if len(kept) > SHOWN_PER_FRAME:
             passed = len(kept) - SHOWN_PER_FRAME
-            self.write(Text(f"        ... {passed} more events (a recording or the filters show every one)",
-                            style="dim"))
+            lines.append(Text(f"        ... {passed} more events (a recording or the filters show every one)",
+                              style="dim"))
             kept = kept[-SHOWN_PER_FRAME:]
-        for event in kept:
-            self.write(_line(event, self.app.current_theme.dark))
+        dark = self.app.current_theme.dark
+        lines += [_line(event, dark) for event in kept]
+        # one write for the frame's lines: RichLog does per write what costs most (~0.75 ms a write here)
+        self.write(Text("\n").join(lines))
 
 
 def _line(event: ev.Event, dark: bool = True) -> Text:

@@ -1,6 +1,7 @@
 """The cell under the cursor: where it is, what it holds, and the story of how it got there."""
 from __future__ import annotations
 
+import numpy as np
 from rich.text import Text
 from textual.widgets import Static
 
@@ -31,7 +32,7 @@ class CellInspector(Static):
             self.update(text)
             return
         pos = int(st.pos[first])
-        seqs = [int(s) for s in range(256) if st.holds(s)[first]] if pos >= 0 else []
+        seqs = np.flatnonzero(np.unpackbits(st.seq_bits[first], bitorder="little")).tolist() if pos >= 0 else []
         text.append(f"{cache} · stream {stream} · ")
         if pos < 0:
             text.append("empty", style="dim")
