@@ -46,7 +46,8 @@ def synthetic_frame(size: int, shift: int = 0) -> Frame:
     changed = np.zeros(size, dtype=bool)
     changed[-64:] = True
     return Frame(0, (StreamFrame("kv", 0, cells.astype(np.int64), owner, np.where(owner == SHARED, 2, 1).astype(np.int16),
-                                 np.zeros(size, dtype=np.int64), changed, np.zeros(size, dtype=bool), size // 2),))
+                                 np.zeros(size, dtype=np.int64), changed, np.zeros(size, dtype=bool), size // 2,
+                                 np.zeros(size, dtype=bool)),))
 
 
 async def grid_ms(size: int, zoom: int, reps: int, every_row_new: bool = True) -> float:

@@ -112,7 +112,7 @@ class CellGrid(WatcherView):
         laid_out = lanes != self._lanes
         if laid_out:
             self._lay_out(frame)
-        marked = any(sf.changed.any() or sf.tentative.any() or sf.quirks.any() for sf in frame.streams)
+        marked = any(sf.changed.any() or sf.tentative.any() or sf.quirk.any() for sf in frame.streams)
         drawn_for = (self.selected_seq, self.attention_on, self.attention_layer)
         if not (laid_out or marked or self._marked or drawn_for != self._drawn_for
                 or (new_attention and self.attention_on)):
@@ -248,10 +248,9 @@ class CellGrid(WatcherView):
         self.figure.layout.annotations[k].text = self._title(sf) + (f"<br>{window.describe()}" if window else "")
         x, y = self._xy(np.flatnonzero(sf.changed))
         changed.x, changed.y = x, y
-        quirks = sf.quirks
-        x, y = self._xy(np.flatnonzero(sf.tentative & ~quirks))  # a QUIRK's ! takes the place of the dry run's ?
+        x, y = self._xy(np.flatnonzero(sf.tentative & ~sf.quirk))  # a QUIRK's ! takes the place of the dry run's ?
         dry_run.x, dry_run.y, dry_run.text = x, y, [style.GLYPH_TENTATIVE] * len(x)
-        x, y = self._xy(np.flatnonzero(quirks))
+        x, y = self._xy(np.flatnonzero(sf.quirk))
         quirk.x, quirk.y, quirk.text = x, y, [style.GLYPH_QUIRK] * len(x)
         head.x, head.y = self._xy(np.array([sf.head] if sf.head < sf.size else [], dtype=np.int64))
 

@@ -49,7 +49,7 @@ def random_frame(rng, size: int) -> StreamFrame:
     return StreamFrame("kv", 0, np.where(used, rng.integers(0, 999, size), -1), owner,
                        np.where(owner == SHARED, 2, used.astype(np.int16)).astype(np.int16),
                        np.where(rng.random(size) < 0.05, 3, 0), rng.random(size) < 0.1, rng.random(size) < 0.1,
-                       int(rng.integers(0, size + 1)))
+                       int(rng.integers(0, size + 1)), rng.random(size) < 0.05)
 
 
 @pytest.mark.parametrize("size,columns", [(10, 80), (256, 80), (1000, 77), (32768, 100), (131072, 150)])

@@ -31,12 +31,7 @@ class StreamFrame:
     changed: np.ndarray  # bool: different from the previous frame, or changed and changed back since
     tentative: np.ndarray  # bool: touched by the dry run (slot search) of the last decode since the previous frame
     head: int
-    quirk: np.ndarray | None = None  # bool: touched by an event that reproduces a llama.cpp QUIRK since the previous frame
-
-    @property
-    def quirks(self) -> np.ndarray:
-        """`quirk`, all False for a frame made without it."""
-        return self.quirk if self.quirk is not None else np.zeros(len(self.pos), dtype=bool)
+    quirk: np.ndarray  # bool: touched by an event that reproduces a llama.cpp QUIRK since the previous frame
 
     @property
     def size(self) -> int:

@@ -126,7 +126,7 @@ def fold(frame: StreamFrame, columns: int) -> Folded:
     per = max(1, -(-size // max(columns, 1)))  # ceil
     if per == 1:  # nothing to fold: the frame's own columns
         return Folded(1, np.arange(size + 1), frame.owner.astype(np.int16, copy=False), (frame.pos >= 0).astype(float),
-                      frame.changed, frame.tentative, frame.shift != 0, min(frame.head, size), frame.quirks)
+                      frame.changed, frame.tentative, frame.shift != 0, min(frame.head, size), frame.quirk)
     start = np.arange(0, size + per, per)
     start[-1] = size
     start = np.unique(np.minimum(start, size))
@@ -137,7 +137,7 @@ def fold(frame: StreamFrame, columns: int) -> Folded:
     owner = _dominant_owner(frame.owner, used, idx) if per > 1 else frame.owner.astype(np.int16)
     return Folded(per, start, owner, n_used / lengths, np.logical_or.reduceat(frame.changed, idx),
                   np.logical_or.reduceat(frame.tentative, idx), np.logical_or.reduceat(frame.shift != 0, idx),
-                  min(frame.head // per, len(idx)), np.logical_or.reduceat(frame.quirks, idx))
+                  min(frame.head // per, len(idx)), np.logical_or.reduceat(frame.quirk, idx))
 
 
 def _dominant_owner(owner: np.ndarray, used: np.ndarray, idx: np.ndarray) -> np.ndarray:
