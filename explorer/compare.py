@@ -55,12 +55,9 @@ class _Column:
 
     def update(self) -> None:
         self.watcher.poll()
-        new = min(self.watcher.events - self._events_seen, len(self.watcher.recent))
+        new = self.watcher.events_since(self._events_seen)
         self._events_seen = self.watcher.events
-        for k in range(len(self.watcher.recent) - max(new, 0), len(self.watcher.recent)):
-            if isinstance(self.watcher.recent[k], ev.WorkloadStep):
-                self.steps.append(self.watcher.recent[k])
-        self.steps = self.steps[-256:]
+        self.steps = (self.steps + [e for e in new if isinstance(e, ev.WorkloadStep)])[-256:]
         self.grid.update()
         self.bars.update()
         parts = [text for text, _ in status_parts(self.watcher, with_error=True)]

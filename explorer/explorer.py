@@ -187,12 +187,9 @@ class Explorer:
         self._draw_status(watcher)
 
     def _read_steps(self, watcher) -> None:
-        new = min(watcher.events - self._events_seen, len(watcher.recent))
+        new = watcher.events_since(self._events_seen)
         self._events_seen = watcher.events
-        for k in range(len(watcher.recent) - max(new, 0), len(watcher.recent)):
-            if isinstance(watcher.recent[k], ev.WorkloadStep):
-                self._steps.append(watcher.recent[k])
-        self._steps = self._steps[-256:]
+        self._steps = (self._steps + [e for e in new if isinstance(e, ev.WorkloadStep)])[-256:]
 
     def _draw_status(self, watcher) -> None:
         created = watcher.mirror.created

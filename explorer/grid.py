@@ -147,12 +147,10 @@ class CellGrid(WatcherView):
     def _read_attention(self) -> int:
         """The attention events among those the watcher received since the last look (whoever polled it);
         how many there were."""
-        watcher = self.watcher
-        new = min(watcher.events - self._events_seen, len(watcher.recent))
-        self._events_seen = watcher.events
+        new = self.watcher.events_since(self._events_seen)
+        self._events_seen = self.watcher.events
         taken = 0
-        for k in range(len(watcher.recent) - max(new, 0), len(watcher.recent)):
-            event = watcher.recent[k]
+        for event in new:
             if isinstance(event, (ev.AttentionWeights, ev.ContextCreated)):
                 self.attention.apply(event)
                 taken += 1

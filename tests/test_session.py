@@ -418,3 +418,21 @@ def test_a_session_sets_torch_threads_when_asked_and_refuses_a_bad_count(monkeyp
     assert threads_beside_a_ui() == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert threads_beside_a_ui() is None
+
+
+def test_events_since_gives_what_a_view_has_not_seen_whoever_polled():
+    from engine.watch.watcher import Watcher
+
+    with Session("demo", settings=dict(n_ctx=256), workload="generate", threaded=False) as session:
+        watcher = Watcher.of(session, recent=50)
+        watcher.poll()
+        counted = watcher.events
+        assert watcher.events_since(counted) == []
+        session.add_prompt("In the beginning").result()
+        session.step(1).result()
+        watcher.poll()  # another view polls; this one only counts
+        new = watcher.events_since(counted)
+        assert len(new) == watcher.events - counted > 0 and new == list(watcher.recent)[-len(new):]
+        session.step(10).result()
+        watcher.poll()
+        assert watcher.events - counted > 50 and len(watcher.events_since(counted)) == 50, "as far as recent holds"

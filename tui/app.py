@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import gc
-import itertools
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -153,8 +152,9 @@ class KvscopeApp(App):
             self._refresh_replay()
             return
         watcher = self.watcher
-        n = watcher.poll(budget_s=POLL_BUDGET_S)
-        new = list(itertools.islice(watcher.recent, max(0, len(watcher.recent) - n), None)) if n else []
+        counted = watcher.events
+        watcher.poll(budget_s=POLL_BUDGET_S)
+        new = watcher.events_since(counted)
         for event in new:
             self.attention.apply(event)
             if isinstance(event, ev.WorkloadStep):

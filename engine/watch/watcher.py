@@ -9,6 +9,7 @@ is never wrong without saying so (`stale` is true only until that resync), and n
 from __future__ import annotations
 
 import collections
+import itertools
 import time
 from typing import Callable
 
@@ -63,6 +64,15 @@ class Watcher:
     def backlog(self) -> int:
         """Events taken from the queue that a poll with a time budget left for the next one."""
         return len(self._backlog)
+
+    def events_since(self, counted: int) -> list[ev.Event]:
+        """The events applied after the watcher had counted `counted` (its `events` then), oldest first, as
+        far as `recent` still holds them: what a view that reads the watcher without polling it (others
+        may poll the same watcher) has not seen yet."""
+        new = min(self.events - counted, len(self.recent))
+        if new <= 0:
+            return []
+        return list(itertools.islice(self.recent, len(self.recent) - new, None))
 
     def poll(self, budget_s: float | None = None) -> int:
         """Apply every event that arrived; returns how many were applied (those a resync's state already
