@@ -34,7 +34,7 @@ from explorer.grid import CellGrid
 from explorer.memory import MemoryBars
 from explorer.settings import SettingsPanel
 from explorer.timeline import Timeline
-from explorer.view import observe_value, replace_options, row
+from explorer.view import choose, observe_value, replace_options, row
 from explorer.window import SwaWindow
 
 NO_SEQ = "none"
@@ -201,7 +201,7 @@ class Explorer:
                              f" · {html.escape(where)} · <span style='opacity:0.7'>{html.escape(self.source.label)}</span>"
                              f"<br><span style='opacity:0.7'>{' | '.join(html.escape(cache_title(c)) for c in created.values())}</span>")
         parts = []
-        for k, (text, tone) in enumerate(status_parts(watcher, with_error=True)):
+        for text, tone in status_parts(watcher, with_error=True):
             parts.append(f"<span style='{TONE_STYLES[tone]}'>{html.escape(text)}</span>")
             if text.startswith("step "):
                 parts.append(f"{tokens_per_second(self._steps, time.monotonic()):.0f} tok/s")
@@ -218,15 +218,7 @@ class Explorer:
         self.selected_seq = seq
         self.grid.select(seq)
         self.window.select(seq)
-        value = NO_SEQ if seq is None else str(seq)
-        if self.seq_menu.value != value:
-            self.seq_menu._options_replaced = True  # the menu follows a click on the grid: nothing to redo
-            try:
-                if value not in self.seq_menu.options:
-                    self.seq_menu.options = [*self.seq_menu.options, value]
-                self.seq_menu.value = value
-            finally:
-                self.seq_menu._options_replaced = False
+        choose(self.seq_menu, NO_SEQ if seq is None else str(seq))  # the menu follows a click on the grid
 
     def _cell_clicked(self, cache: str, stream: int, cell: int) -> None:
         def select() -> None:

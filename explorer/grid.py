@@ -141,7 +141,7 @@ class CellGrid(WatcherView):
         return 50 + self.columns * (18 if self.columns <= 48 else max(4, 1000 // self.columns))
 
     def trace(self, lane: int, which: int):
-        """One of a lane's traces: CELLS, ATTENTION, CHANGED, DRY_RUN, HEAD or MASKED."""
+        """One of a lane's traces: CELLS, ATTENTION, CHANGED, DRY_RUN, QUIRK, HEAD or MASKED."""
         return self.figure.data[TRACES_PER_LANE * lane + which]
 
     def _read_attention(self) -> int:

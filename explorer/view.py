@@ -90,14 +90,21 @@ def observe_value(menu, on_change: Callable[[object], None]) -> None:
 def replace_options(menu, options: list) -> None:
     """New options for a Dropdown that keep its value in them (ipywidgets resets the value to the first
     option when the options change; observe_value's callbacks do not see that)."""
-    value = menu.value
+    choose(menu, menu.value, options)
+
+
+def choose(menu, value, options: list | None = None) -> None:
+    """Set a Dropdown's value (and options; the value is added to them when missing) without its
+    observe_value callbacks seeing it: the code, not a person, chose it."""
+    options = list(menu.options) if options is None else options
     if value not in options:
         options = [*options, value]
-    if list(menu.options) == options:
+    if list(menu.options) == options and menu.value == value:
         return
     menu._options_replaced = True
     try:
-        menu.options = options
+        if list(menu.options) != options:
+            menu.options = options
         menu.value = value
     finally:
         menu._options_replaced = False

@@ -79,8 +79,10 @@ class DistributionComparison:
 
     @property
     def compared(self) -> list[TokenComparison]:
-        """The rows over the same text (before the first difference): what the numbers below summarise."""
-        return [r for r in self.rows if r.same_text and (self.first_difference is None or r.pos < self.first_difference)]
+        """The rows over the same text (before the first difference): what the numbers below summarise. A row
+        is paired once both sides gave its distribution, and each side samples the tokens up to its position
+        before that, so its `same_text` is final when it is made."""
+        return [r for r in self.rows if r.same_text]
 
     def summary(self) -> dict:
         """n positions compared over the same text, their top-1 agreement and mean / max KL."""

@@ -2,9 +2,9 @@
 event concerns (for the logs' filters)."""
 from __future__ import annotations
 
-import numpy as np
-
 from dataclasses import dataclass
+
+import numpy as np
 
 from engine import events as ev
 from engine.watch.frames import EMPTY, SHARED
