@@ -107,9 +107,9 @@ class Timeline:
     def seek(self, i: int) -> int:
         """Show the cache right after event i (-1: before the first); leaves live mode."""
         replay = self._scrubbing()
-        before = (replay.position, replay.rebuilds)
+        rebuilds = replay.rebuilds
         position = replay.seek(i)
-        self._redraw(rebuilt=replay.rebuilds != before[1])
+        self._redraw(rebuilt=replay.rebuilds != rebuilds)
         return position
 
     def step(self, n: int = 1) -> int:
@@ -117,12 +117,13 @@ class Timeline:
 
     def jump(self, direction: int) -> int | None:
         """To the next (direction > 0) or previous event of the filter's kind; None when there is none."""
+        entered = self.replay is None
         replay = self._scrubbing()
         rebuilds = replay.rebuilds
         found = self.filter.jump(replay, direction)
-        if found is not None:
+        if found is not None or entered:  # entering the history, the views are drawn from it either way
             self._redraw(rebuilt=replay.rebuilds != rebuilds)
-        else:
+        if found is None:
             self.label.value = f"<i>no {'later' if direction > 0 else 'earlier'} event of the kind {self.filter.group}</i>"
         return found
 
@@ -154,13 +155,15 @@ class Timeline:
 
     # ---- inside ------------------------------------------------------------------------------------
     def _scrubbing(self) -> Replay:
-        """The replay to move: a live timeline opens its history as it stands now."""
+        """The replay to move: a live timeline opens its history as it stands now, at its end. The views
+        take its watcher here and are drawn by the move that asked for it (once, where it lands)."""
         if self.replay is None:
             self.recorder.flush()
             self.replay = Replay.open(self.path)
             self.replay.seek(len(self.replay) - 1)
             for view in self.views:
-                view.show(self.replay.watcher)
+                view.watcher = self.replay.watcher
+                view.forget()
             self._set_live_button(False)
         return self.replay
 
