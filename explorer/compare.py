@@ -27,7 +27,7 @@ from engine.watch.describe import status_parts, tokens_per_second
 from engine.watch.watcher import Watcher
 from explorer.grid import CellGrid
 from explorer.memory import MemoryBars
-from explorer.view import row
+from explorer.view import Shown, row
 
 COMMON_SETTINGS = dict(n_ctx=512, n_seq_max=1, kv_unified=True)
 GREEDY = dict(temperature=0.0, seed=1)
@@ -65,8 +65,10 @@ class _Column:
             f" · {tokens_per_second(self.steps, time.monotonic()):.0f} tok/s"
 
 
-class Compare:
+class Compare(Shown):
     """Two sessions side by side and their next-token distributions compared (see the module docstring)."""
+
+    export_title = "kvscope A/B"
 
     def __init__(self, a: Session, b: Session, *, labels: tuple[str, str] = ("A", "B"),
                  settings: tuple[dict, dict] = ({}, {}), seq_id: int = 0, columns: int = 32,
@@ -115,9 +117,6 @@ class Compare:
             view.add_prompt(prompt)
         return view
 
-    def _repr_mimebundle_(self, **kwargs):
-        return self.widget._repr_mimebundle_(**kwargs)
-
     # ---- commands to both ---------------------------------------------------------------------------
     def add_prompt(self, text: str) -> None:
         if not text.strip():
@@ -163,17 +162,8 @@ class Compare:
                               f"{s['max_kl']:.4f} nats{diverged}")
 
     def figures(self) -> list:
+        """Both grids and the divergence chart (what export_html and export_png write)."""
         return [self.columns[0].grid.figure, self.columns[1].grid.figure, self.figure]
-
-    def export_html(self, path):
-        """Both grids and the divergence chart as one standalone HTML page."""
-        from pathlib import Path
-
-        from explorer.export import figures_html
-
-        path = Path(path)
-        path.write_text(figures_html(self.figures(), title="kvscope A/B"), encoding="utf-8")
-        return path
 
     def close(self) -> None:
         for stop in self._stops:

@@ -29,12 +29,11 @@ from engine.watch.describe import cache_title, held_seqs, status_parts, tokens_p
 from engine.watch.sources import Source, remote_source, replay_source, session_source
 from explorer.controls import SessionControls
 from explorer.event_log import EventLog
-from explorer.export import figures_html, figures_png
 from explorer.grid import CellGrid
 from explorer.memory import MemoryBars
 from explorer.settings import SettingsPanel
 from explorer.timeline import Timeline
-from explorer.view import choose, observe_value, replace_options, row
+from explorer.view import Shown, choose, observe_value, replace_options, row
 from explorer.window import SwaWindow
 
 NO_SEQ = "none"
@@ -61,7 +60,7 @@ def open_source(source=None, flags: str | list[str] = (), *, start: bool = True)
     return remote_source(source)
 
 
-class Explorer:
+class Explorer(Shown):
     """The cell grids, SWA window, memory bars, event log and timeline of a source, and its controls."""
 
     def __init__(self, source=None, flags: str | list[str] = (), *, columns: int = 64, dark: bool = False,
@@ -163,9 +162,6 @@ class Explorer:
         parts.append(self.log.widget)
         return widgets.VBox(parts)
 
-    def _repr_mimebundle_(self, **kwargs):
-        return self.widget._repr_mimebundle_(**kwargs)
-
     # ---- drawing ------------------------------------------------------------------------------------
     def update(self) -> None:
         """Redraw every view from what arrived (while the timeline is live); the header and status always.
@@ -240,17 +236,8 @@ class Explorer:
 
     # ---- export -------------------------------------------------------------------------------------
     def figures(self) -> list:
+        """The grids, the window and the memory bars (what export_html and export_png write)."""
         return [self.grid.figure, self.window.figure, self.bars.figure]
-
-    def export_html(self, path: str | Path) -> Path:
-        """The grids, the window and the memory bars as one standalone HTML page."""
-        path = Path(path)
-        path.write_text(figures_html(self.figures(), title="kvscope"), encoding="utf-8")
-        return path
-
-    def export_png(self, path: str | Path, *, width: int = 1200, scale: float = 2.0) -> Path:
-        """The same views as one PNG (kaleido, through the machine's Chrome or Chromium)."""
-        return figures_png(self.figures(), Path(path), width=width, scale=scale)
 
     def _export(self, kind: str) -> None:
         tell = self.controls.tell if self.controls is not None else None

@@ -8,17 +8,50 @@ from typing import Callable
 from engine.watch.watcher import Watcher
 
 
-class WatcherView:
+class Shown:
+    """Anything the notebook explorer shows: it displays `widget` and exports the plotly figures it draws
+    (figures()) to one standalone HTML page or one PNG."""
+
+    widget: object  # what a notebook displays: a plotly FigureWidget or an ipywidgets box
+    export_title = "kvscope"
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    def figures(self) -> list:
+        """The plotly figures it draws (exported to HTML and PNG)."""
+        figure = getattr(self, "figure", None)
+        return [figure] if figure is not None else []
+
+    def export_html(self, path: str | Path) -> Path:
+        """Its figures as one standalone HTML file (plotly's JavaScript inlined once: it opens offline)."""
+        from explorer.export import figures_html
+
+        path = Path(path)
+        path.write_text(figures_html(self.figures(), title=self.export_title), encoding="utf-8")
+        return path
+
+    def export_png(self, path: str | Path, *, width: int = 1200, scale: float = 2.0) -> Path:
+        """Its figures as one PNG for slides (kaleido, through the machine's Chrome or Chromium)."""
+        from explorer.export import figures_png
+
+        return figures_png(self.figures(), Path(path), width=width, scale=scale)
+
+
+class WatcherView(Shown):
     """A view drawn from `self.watcher` into `self.widget`; subclasses implement update()."""
 
     watcher: Watcher
-    widget: object  # what a notebook displays: a plotly FigureWidget or an ipywidgets box
     # How a redraw a control asks for is run: directly, or on the session's worker (Session.call) once the
     # view follows a session, so that it never overlaps the worker's own redraws.
     runner: Callable[[Callable[[], object]], object] | None = None
 
     def update(self) -> object:
         raise NotImplementedError
+
+    @property
+    def export_title(self) -> str:
+        return type(self).__name__
 
     @classmethod
     def of(cls, source, **options):
@@ -54,29 +87,6 @@ class WatcherView:
 
     def forget(self) -> None:
         """Drop what the view keeps between updates (the watcher it came from was replaced or rebuilt)."""
-
-    def _repr_mimebundle_(self, **kwargs):
-        return self.widget._repr_mimebundle_(**kwargs)
-
-    # ---- export ------------------------------------------------------------------------------------
-    def figures(self) -> list:
-        """The plotly figures this view draws (exported to HTML and PNG)."""
-        figure = getattr(self, "figure", None)
-        return [figure] if figure is not None else []
-
-    def export_html(self, path: str | Path) -> Path:
-        """The view as one standalone HTML file (plotly's JavaScript inlined: it opens offline)."""
-        from explorer.export import figures_html
-
-        path = Path(path)
-        path.write_text(figures_html(self.figures(), title=type(self).__name__), encoding="utf-8")
-        return path
-
-    def export_png(self, path: str | Path, *, width: int = 1200, scale: float = 2.0) -> Path:
-        """The view as a PNG for slides (kaleido, through the machine's Chrome or Chromium)."""
-        from explorer.export import figures_png
-
-        return figures_png(self.figures(), Path(path), width=width, scale=scale)
 
 
 def observe_value(menu, on_change: Callable[[object], None]) -> None:
