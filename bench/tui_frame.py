@@ -27,14 +27,14 @@ from textual import events
 import engine
 from engine import events as ev
 from engine.batch import Batch
-from engine.runners.session import Session
-from engine.watch.frames import SHARED, Frame, StreamFrame
-from engine.watch.watcher import Watcher
-from tui.app import KvscopeApp
 from engine.runners.demo import DEMO_SETTINGS, DEMO_WORKLOAD
 from engine.runners.launch import threads_beside_a_ui
-from tui.grid import CellGrid
+from engine.runners.session import Session
+from engine.watch.frames import SHARED, Frame, StreamFrame
 from engine.watch.sources import Source, session_source
+from engine.watch.watcher import Watcher
+from tui.app import KvscopeApp
+from tui.grid import CellGrid
 
 
 def synthetic_frame(size: int, shift: int = 0) -> Frame:

@@ -12,10 +12,10 @@ from engine.runners.session import Session
 from engine.runners.workloads import WorkloadSpec
 from engine.sampling import SamplerParams
 from engine.watch.frames import EMPTY, SHARED
+from engine.watch.sources import session_source
 from tui.app import KvscopeApp
 from tui.grid import CellGrid
 from tui.screens import HelpScreen, PromptScreen, SettingsScreen
-from engine.watch.sources import session_source
 
 pytestmark = pytest.mark.anyio
 GREEDY = SamplerParams(temperature=0.0, seed=1)
@@ -307,8 +307,8 @@ async def test_keys_answer_while_a_burst_of_events_is_absorbed():
 
     from textual import events as keys
 
-    from engine.watch.watcher import Watcher
     from engine.watch.sources import Source
+    from engine.watch.watcher import Watcher
     from tui.status import StatusLine
 
     ctx, events = burst_of_events(150_000)  # a watcher needs a second or more to absorb them
@@ -346,8 +346,8 @@ async def test_keys_answer_while_a_burst_of_events_is_absorbed():
 
 
 async def test_arrows_move_the_cursor_when_the_lanes_overflow_the_screen():
-    from engine.watch.watcher import Watcher
     from engine.watch.sources import Source
+    from engine.watch.watcher import Watcher
 
     _, events = burst_of_events(0, cells_per_stream=512)  # four lanes of 512 cells: taller than the grid
     app = KvscopeApp(Source("session", Watcher(_Burst(events))))
@@ -364,8 +364,8 @@ async def test_arrows_move_the_cursor_when_the_lanes_overflow_the_screen():
 
 async def test_cells_read_on_a_dark_and_on_a_light_theme():
     from engine.watch import style
-    from engine.watch.watcher import Watcher
     from engine.watch.sources import Source
+    from engine.watch.watcher import Watcher
 
     _, events = burst_of_events(0)  # four sequences in four streams
     app = KvscopeApp(Source("session", Watcher(_Burst(events))))

@@ -9,11 +9,11 @@ import pytest
 
 from engine.watch.frames import EMPTY, SHARED
 from engine.watch.remote import RemoteSession
+from engine.watch.sources import remote_source
 from tests.test_remote import Server, free_port_pair
 from tui.app import KvscopeApp
 from tui.grid import CellGrid
 from tui.screens import PromptScreen
-from engine.watch.sources import remote_source
 from tui.status import StatusLine
 
 pytestmark = pytest.mark.anyio

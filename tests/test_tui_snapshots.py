@@ -10,16 +10,16 @@ import dataclasses
 import pytest
 
 from engine import events as ev
+from engine.runners.demo import DEMO_SETTINGS, DEMO_WORKLOAD
 from engine.runners.session import Session
 from engine.sampling import SamplerParams
 from engine.watch.recorder import Recorder
 from engine.watch.recording import RecordingReader
 from engine.watch.replay import Replay
+from engine.watch.sources import Source
 from tui.app import KvscopeApp
-from engine.runners.demo import DEMO_SETTINGS, DEMO_WORKLOAD
 from tui.grid import CellGrid
 from tui.inspector import CellInspector
-from engine.watch.sources import Source
 
 STEPS = 48  # past the demo's first failed slot search and first context shift
 TIMED = {"time": 0.0, "ms": 0.0, "ms_total": 0.0}

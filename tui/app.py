@@ -24,13 +24,13 @@ from engine import events as ev
 from engine.watch import AttentionWatch, Recorder, visibility
 from engine.watch.describe import cache_title, free_seq, tokens_per_second
 from engine.watch.frames import SHARED
+from engine.watch.sources import Source
 from tui.commands import SequenceCommands
 from tui.devices import DeviceBars
 from tui.event_log import EventLog
 from tui.grid import CellGrid
 from tui.inspector import CellInspector
 from tui.screens import HelpScreen, PromptScreen, SettingsScreen
-from engine.watch.sources import Source
 from tui.status import StatusLine
 
 FRAMES_PER_SECOND = 20
