@@ -180,6 +180,7 @@ async def test_settings_estimate_then_apply_rebuilds(session):
         await pilot.click("#estimate-button")
         assert "n_ctx: 'not a number' is not a whole number" in str(app.screen.query_one("#estimate").render())
         field.value = "512"
+        await pilot.pause(0.3)  # a button ignores clicks while it shows the last one (0.2 s)
         await pilot.click("#estimate-button")
         assert "fits: True" in str(app.screen.query_one("#estimate").render())
         await pilot.click("#apply")
@@ -385,3 +386,51 @@ async def test_cells_read_on_a_dark_and_on_a_light_theme():
             assert all(style.contrast(c, background) >= 3.0 for c in cells), (theme, background, cells)
             seen[theme] = cells
     assert seen["textual-dark"] != seen["textual-light"]  # the light theme has its own, darker colours
+
+
+async def test_the_log_follows_new_events_unless_scrolled_back(session):
+    app = KvscopeApp(session_source(session))
+    async with app.run_test(size=(120, 40)) as pilot:
+        log = app.query_one("#log")
+        await pilot.press("n")
+        await settle(app, pilot, session, steps=1)
+        for _ in range(3):  # until the log outgrows its box
+            await pilot.press("n")
+            await settle(app, pilot, session, steps=1)
+        assert log.max_scroll_y > 0 and log.scroll_offset.y == log.max_scroll_y
+        last_shown = log.line_text(log.line_count - 1)
+        assert str(app.watcher.recent[-1].seq_no) in last_shown
+        log.scroll_to(y=0, animate=False, immediate=True)
+        await pilot.press("n")
+        await settle(app, pilot, session, steps=1)
+        assert log.scroll_offset.y == 0  # reading back: not pulled down by the next step
+        log.scroll_to(y=log.max_scroll_y, animate=False, immediate=True)
+        await pilot.press("n")
+        await settle(app, pilot, session, steps=1)
+        assert log.scroll_offset.y == log.max_scroll_y  # at the end again: it follows
+
+
+async def test_panels_lay_the_screen_out_only_when_their_height_changes(session, monkeypatch):
+    from rich.text import Text
+
+    from tui.status import StatusLine
+    from tui.text_panel import TextPanel
+
+    app = KvscopeApp(session_source(session))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        panel = app.query_one(StatusLine)
+        refreshes = []
+        monkeypatch.setattr(TextPanel, "refresh", lambda self, *a, layout=False, **k: refreshes.append(layout))
+        panel.show(Text("step 1"))
+        panel.show(Text("step 1"))
+        assert refreshes == [False]  # one row as before: repainted, not laid out; the same text: nothing
+        panel.show(Text("step 2"))
+        assert refreshes == [False, False]
+        inspector = app.query_one("CellInspector")
+        inspector.show(Text("one\ntwo"))
+        inspector.show(Text("one\nthree"))
+        inspector.show(Text("one\ntwo\nthree"))
+        assert refreshes[2:] == [True, False, True]
+        inspector.show(Text("x" * 500))  # one line, wrapped to several rows
+        assert refreshes[-1] is True

@@ -18,7 +18,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
 from textual.events import Click
-from textual.widgets import Footer, Static
+from textual.widgets import Footer
 
 from engine import events as ev
 from engine.watch import AttentionWatch, Recorder, visibility
@@ -32,6 +32,7 @@ from tui.grid import CellGrid
 from tui.inspector import CellInspector
 from tui.screens import HelpScreen, PromptScreen, SettingsScreen
 from tui.status import StatusLine
+from tui.text_panel import TextPanel
 
 FRAMES_PER_SECOND = 20
 POLL_BUDGET_S = 0.005  # a frame absorbs events for this long at most, so that keys wait a frame at most
@@ -113,7 +114,7 @@ class KvscopeApp(App):
 
     # ---- layout ----------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
-        yield Static(id="title")
+        yield TextPanel(id="title")
         with Horizontal(id="main"):
             yield CellGrid(id="grid")
             with Vertical(id="side"):
@@ -211,7 +212,7 @@ class KvscopeApp(App):
         self._draw_inspector(seen)
         self._view(DeviceBars).show_devices(mirror.devices)
         self._view(EventLog).add_events(new)
-        self._view("#title", Static).update(self._title())
+        self._view("#title", TextPanel).show(self._title())
         self.frames_drawn += 1
 
     def _draw_inspector(self, seen) -> None:

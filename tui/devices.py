@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 from rich.text import Text
-from textual.widgets import Static
 
 from engine.watch import style
 from engine.watch.device_mirror import DeviceMirror
+from tui.text_panel import TextPanel
 
 PART_COLORS = style.MEMORY_PART_COLORS
 BAR_WIDTH = 18
@@ -15,7 +15,7 @@ def mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
 
 
-class DeviceBars(Static):
+class DeviceBars(TextPanel):
     DEFAULT_CSS = """
     DeviceBars { height: auto; border: round $primary-darken-2; padding: 0 1; }
     """
@@ -45,4 +45,4 @@ class DeviceBars(Static):
             for letter, overridden in letters:
                 text.append(letter, style="bold" if overridden else "")
             text.append(f" │ output {out or '?'}")
-        self.update(text)
+        self.show(text)

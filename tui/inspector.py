@@ -3,15 +3,15 @@ from __future__ import annotations
 
 import numpy as np
 from rich.text import Text
-from textual.widgets import Static
 
 from engine.watch import style
 from engine.watch.history import ALLOCATED, CellHistory
 from engine.watch.mirror import CacheMirror
 from engine.watch.visibility import SequenceVisibility
+from tui.text_panel import TextPanel
 
 
-class CellInspector(Static):
+class CellInspector(TextPanel):
     DEFAULT_CSS = """
     CellInspector { height: auto; max-height: 12; border: round $primary-darken-2; padding: 0 1; }
     """
@@ -22,14 +22,14 @@ class CellInspector(Static):
         text = Text()
         state = mirror.caches.get(cache)
         if state is None:
-            self.update("no cache yet")
+            self.show("no cache yet")
             return
         st = state.streams[stream]
         if last - first > 1:
             used = int((st.pos[first:last] >= 0).sum())
             text.append(f"{cache} stream {stream}: {used} of {last - first} cells used\n")
             text.append("zoom in (+) to see single cells", style="dim")
-            self.update(text)
+            self.show(text)
             return
         pos = int(st.pos[first])
         seqs = np.flatnonzero(np.unpackbits(st.seq_bits[first], bitorder="little")).tolist() if pos >= 0 else []
@@ -53,7 +53,7 @@ class CellInspector(Static):
             text.append("\nno event touched this cell since the watch began", style="dim italic")
         for k, line in enumerate(lines):  # newest first: a short box still shows what happened last
             text.append("\n" + ("▸ " if k == 0 else "  ") + line, style="italic" if k == 0 else "dim italic")
-        self.update(text)
+        self.show(text)
 
 
 def _token_of(history: CellHistory, cache: str, stream: int, cell: int) -> str:

@@ -3,15 +3,15 @@ parts come from the watch layer, as the notebook explorer's)."""
 from __future__ import annotations
 
 from rich.text import Text
-from textual.widgets import Static
 
 from engine.watch.describe import status_parts
 from engine.watch.watcher import Watcher
+from tui.text_panel import TextPanel
 
 TONES = {"running": "bold reverse", "state": "bold", "error": "bold red", "warning": "yellow", "": ""}
 
 
-class StatusLine(Static):
+class StatusLine(TextPanel):
     DEFAULT_CSS = """
     StatusLine { height: 1; background: $boost; padding: 0 1; }
     """
@@ -29,4 +29,4 @@ class StatusLine(Static):
                 text.append(f" · {part}", style=TONES[tone])
         if source_label:
             text.append(f" · {source_label}", style="dim")
-        self.update(text)
+        self.show(text)
