@@ -362,6 +362,83 @@ class TokenSampled(Event):
 
 
 @dataclass(frozen=True, eq=False)
+class ServerLogLine(Event):
+    """One line of the simulated llama-server's log, in its words (engine/runners/server/log.py), without
+    the time prefix; slot and task -1 for a server line."""
+
+    level: str  # info, warn, error, debug
+    text: str
+    slot: int = -1
+    task: int = -1
+
+
+@dataclass(frozen=True, eq=False)
+class ServerTaskStarted(Event):
+    """A task (one request) took a slot: chosen by its id, by the similarity of the slot's kept tokens to the
+    prompt, or as the least recently used one."""
+
+    slot: int
+    task: int
+    selected_by: str  # "id", "similarity", "lru"
+    similarity: float  # common prefix / new prompt length (-1: not computed)
+    n_prompt: int
+    label: str = ""
+
+
+@dataclass(frozen=True, eq=False)
+class ServerPromptReused(Event):
+    """The server's decision for a new prompt: of the tokens its slot kept, n_past serve the new prompt (the
+    common prefix, less what the cache cannot serve), and n_prompt - n_past are processed."""
+
+    slot: int
+    task: int
+    n_prompt: int
+    n_kept: int  # tokens the slot's sequence held
+    n_common: int  # common prefix of those and the new prompt (with --cache-reuse chunks: after them)
+    n_past: int
+    n_cache_reused: int = 0  # tokens moved into place by --cache-reuse chunk shifting
+    forced_full: bool = False  # "forcing full prompt re-processing due to lack of cache data"
+    why: str = ""
+    pos_min: int = -1  # the sequence's lowest position (an iSWA pair: in the SWA cache), -1: not read
+    pos_min_thold: int = -1
+    restored_n_tokens: int = -1  # the restored checkpoint's token count, -1: none
+
+
+@dataclass(frozen=True, eq=False)
+class CheckpointChanged(Event):
+    """A slot's context checkpoint created, restored or erased (why: "invalidated", "old", "too close",
+    "superseded", "slot cleared"); n_bytes is host memory (llama-server keeps checkpoints in RAM)."""
+
+    slot: int
+    task: int
+    action: str  # "created", "restored", "erased"
+    pos_min: int
+    pos_max: int
+    n_tokens: int
+    n_bytes: int
+    why: str = ""
+    n_held: int = 0  # the slot's checkpoints after this
+
+
+@dataclass(frozen=True, eq=False)
+class ServerTaskFinished(Event):
+    """A task ended (stop: "limit", "eos", "context", "error"); its prompt's tokens reused from the cache
+    and processed, and what the slot keeps for the next task."""
+
+    slot: int
+    task: int
+    n_prompt: int
+    n_cached: int
+    n_processed: int
+    n_generated: int
+    stop: str
+    text: str
+    n_kept: int
+    label: str = ""
+    error: str = ""
+
+
+@dataclass(frozen=True, eq=False)
 class EventsDropped(Event):
     """Delivered to one subscriber only: it missed `count` events because its queue was full."""
 
