@@ -1,0 +1,211 @@
+"""kvscope's llama-server simulation against llama-server itself (its log of a four-request chat on a
+sliding-window gemma3, tests/data/) and against the engine: the numbers of spec section 14a per request,
+with and without --swa-full and checkpoints, a checkpoint that saves a turn, and reuse that changes the cost
+of a turn but not its answer."""
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import engine
+from engine import events as ev
+from engine.errors import KvscopeError
+from engine.runners.server import ServerLog, ServerParams, ServerSim, Task, without_stamp
+
+LLAMA_SERVER_LOG = Path(__file__).parent / "data" / "llama-server-gemma3-swa-chat.log"
+# Lines of that log kvscope does not print: the HTTP side, the host-memory prompt cache (--cache-ram, not
+# simulated), the sampler's settings, a task's JSON, graph reuse, and the queue's bookkeeping.
+NOT_SIMULATED = ("init_listene", "local path", "loading model", "prompt cache", "--cache-ram", "pull/16391",
+                 "saving idle slot", "prompt_save", "__TEST_TAG", "srv        update:", "srv          load:",
+                 "srv         alloc:", "updating prompt cache", "prompt cache update took", "server_strea", "eval_llama_c",
+                 "sampler chain", "sampler params", "launching slot", "graphs reused", "posting NEXT_RESPONSE",
+                 "decline task", "no need to cancel", "srv          init:", "llama_server", "n_batch (effective)",
+                 "cleaning up before exit", "model loaded", "listening on")
+
+
+# Log-probabilities of one prompt decoded in other batches differ by float32 rounding (sums in another
+# order): up to about 1e-3 on this model, where one lost cell moves them by more than 1.
+BATCHING_TOLERANCE = 2e-3
+
+
+@pytest.fixture(scope="module")
+def gemma3_16(tmp_path_factory):
+    """The shape of the model behind that log: gemma3, 6 layers (0-4 slide, window 16), 2 KV heads of 32 dims."""
+    from engine.testing import write_hf_model
+
+    folder = write_hf_model(tmp_path_factory.mktemp("hf") / "gemma3-w16", "gemma3", n_layer=6, n_embd=128, n_head=4,
+                            n_head_kv=2, n_ff=256, vocab_size=512, seed=2, rope_theta=1e6, n_ctx_train=512,
+                            sliding_window=16)
+    return engine.load_model(folder)
+
+
+def server(model, *, swa_full=False, publish_logits=False, **params) -> ServerSim:
+    """llama-server -c 1024 -np 2 -b 32 -ub 32 (the log's command), with `params` as its flags."""
+    ctx = engine.Context(model, n_ctx=1024, n_seq_max=2, kv_unified=False, n_batch=32, n_ubatch=32,
+                         swa_full=swa_full, publish_logits=publish_logits)
+    return ServerSim(ctx, ServerParams(n_slots=2, **params), log=ServerLog(ctx.bus, verbose=True))
+
+
+def the_logged_chat(sim: ServerSim) -> list[ev.ServerTaskFinished]:
+    """The log's four requests: prompts of random token ids that share what the log says they share."""
+    rng = random.Random(1)
+    words = lambda n: [rng.randrange(3, 500) for _ in range(n)]  # noqa: E731
+    first = words(270)
+    sim.submit(Task(first, n_predict=4, id_slot=0))
+    sim.run()
+    longer = first + [t for t in words(81) if t != sim.slots[0].tokens[270]][:80]  # differs from what was generated
+    sim.submit(Task(longer, n_predict=4, id_slot=0))
+    sim.run()
+    sim.submit(Task(first[:120] + [(first[120] + 1) % 500] + words(29), n_predict=4, id_slot=1))
+    sim.run()
+    sim.submit(Task(first[:40] + [(first[40] + 1) % 500] + words(29), n_predict=4, id_slot=0))
+    sim.run()
+    return sim.finished
+
+
+def comparable(lines) -> list[str]:
+    out = []
+    for line in lines:
+        line = without_stamp(line).rstrip()
+        if any(skip in line for skip in NOT_SIMULATED):
+            continue
+        line = re.sub(r"time = +[\d.]+ ms / +(\d+) tokens.*", r"time = T ms / \1 tokens", line)
+        line = re.sub(r"took [\d.]+ ms", "took T ms", line)
+        line = re.sub(r"next token: +\d+ '.*'", "next token: X", line)
+        out.append(re.sub(r"id=\d+,", "id=X,", line))
+    return out
+
+
+def test_the_logged_chat_reads_as_llama_servers_log(gemma3_16):
+    sim = server(gemma3_16)
+    the_logged_chat(sim)
+    theirs = comparable(LLAMA_SERVER_LOG.read_text().splitlines())
+    ours = comparable(sim.log.lines)
+    assert len(theirs) > 140
+    assert ours == theirs
+
+
+def test_tokens_reused_and_processed_per_request(gemma3_16):
+    sim = server(gemma3_16)
+    sub = sim.ctx.bus.subscribe(kinds=(ev.ServerPromptReused, ev.CheckpointChanged))
+    done = the_logged_chat(sim)
+    assert [(d.task, d.slot, d.n_cached, d.n_processed, d.n_kept) for d in done] == [
+        (0, 0, 0, 270, 273), (14, 0, 270, 80, 353), (22, 1, 0, 150, 153), (32, 0, 0, 70, 73)]
+    events = sub.drain()
+    reused = [e for e in events if isinstance(e, ev.ServerPromptReused)]
+    assert [(e.n_common, e.n_past, e.forced_full) for e in reused] == [(0, 0, False), (270, 270, False),
+                                                                        (0, 0, False), (40, 0, True)]
+    last = reused[-1]
+    assert (last.pos_min, last.pos_min_thold) == (353 - 256, 40 - 16)  # the SWA ring kept 256 of 353 positions
+    events = [e for e in events if isinstance(e, ev.CheckpointChanged)]
+    created = [(e.slot, e.pos_min, e.pos_max, e.n_tokens) for e in events if e.action == "created"]
+    assert created == [(0, 0, 237, 238), (0, 10, 265, 266), (0, 62, 317, 318), (0, 90, 345, 346),
+                       (1, 0, 117, 118), (1, 0, 145, 146), (0, 0, 37, 38), (0, 0, 65, 66)]
+    erased = [(e.n_tokens, e.why) for e in events if e.action == "erased"]
+    assert erased == [(238, "invalidated"), (266, "invalidated"), (318, "invalidated"), (346, "invalidated")]
+    sizes = {e.n_bytes for e in events if e.action == "created"}
+    assert len(sizes) == 1 and f"{sizes.pop() / 2**20:.3f}" == "0.020"  # the window's 16 cells, as the log says
+    assert sim.checkpoints.bytes_held == sum(len(cp.data) for s in sim.slots for cp in s.checkpoints)
+
+
+def test_swa_full_reuses_the_prefix_and_takes_no_checkpoints(gemma3_16):
+    sim = server(gemma3_16, swa_full=True)
+    sub = sim.ctx.bus.subscribe(kinds=(ev.CheckpointChanged,))
+    done = the_logged_chat(sim)
+    assert [(d.n_cached, d.n_processed) for d in done] == [(0, 270), (270, 80), (0, 150), (40, 30)]
+    assert sub.drain() == []
+    assert "forcing full prompt re-processing" not in "\n".join(sim.log.lines)
+
+
+def test_without_checkpoints_the_reuse_is_the_same_and_none_are_made(gemma3_16):
+    sim = server(gemma3_16, ctx_checkpoints=0)
+    sub = sim.ctx.bus.subscribe(kinds=(ev.CheckpointChanged,))
+    done = the_logged_chat(sim)
+    assert [(d.n_cached, d.n_processed) for d in done] == [(0, 270), (270, 80), (0, 150), (0, 70)]
+    assert sub.drain() == []
+    assert any(line.endswith("context checkpoints disabled") for line in sim.log.lines)
+
+
+
+
+
+def test_a_checkpoint_at_a_user_message_saves_a_turn_that_diverges_outside_the_window(gemma3_16):
+    """400 tokens, user messages from 100, 200, 300 and 380: checkpoints before the first user message (the
+    list is empty) and the last, and before the batches near the end (368 = 400 - 32, 396 = 400 - 4). The next
+    prompt keeps 120 tokens: the SWA ring lost positions below 147 and the window before 120 starts at 104,
+    so the checkpoint at 100 is restored."""
+    rng = random.Random(5)
+    history = [rng.randrange(3, 500) for _ in range(400)]
+    sim = server(gemma3_16, publish_logits=True)
+    sub = sim.ctx.bus.subscribe(kinds=(ev.ServerPromptReused, ev.CheckpointChanged, ev.OutputLogProbs))
+    sim.submit(Task(history, n_predict=2, id_slot=0, user_starts=(100, 200, 300, 380)))
+    sim.run()
+    created = [e.n_tokens for e in sub.drain() if isinstance(e, ev.CheckpointChanged)]
+    assert created == [100, 368, 380, 396]
+    edited = history[:120] + [(history[120] + 1) % 500] + [rng.randrange(3, 500) for _ in range(29)]
+    sim.submit(Task(edited, n_predict=1, id_slot=0, user_starts=(100,)))
+    done = sim.run()[-1]
+    events = sub.drain()
+    reused = next(e for e in events if isinstance(e, ev.ServerPromptReused))
+    assert (reused.n_common, reused.restored_n_tokens, reused.n_past, reused.forced_full) == (120, 100, 99, False)
+    assert (done.n_cached, done.n_processed) == (99, 51)
+    erased = [(e.n_tokens, e.why) for e in events if isinstance(e, ev.CheckpointChanged) and e.action == "erased"]
+    # the new prompt's user message at 100 gets its own checkpoint, which replaces the restored one
+    assert erased == [(368, "invalidated"), (380, "invalidated"), (396, "invalidated"), (100, "superseded")]
+    served = [e for e in events if isinstance(e, ev.OutputLogProbs) and e.positions == (149,)][0].logprobs[0]
+    np.testing.assert_allclose(served, fresh_logprobs(gemma3_16, edited), atol=BATCHING_TOLERANCE)
+
+
+def fresh_logprobs(model, prompt: list[int]) -> np.ndarray:
+    """The next-token log-probabilities after `prompt` in a new context (same batch sizes)."""
+    ctx = engine.Context(model, n_ctx=1024, n_seq_max=2, kv_unified=False, n_batch=32, n_ubatch=32,
+                         publish_logits=True)
+    sub = ctx.bus.subscribe(kinds=(ev.OutputLogProbs,))
+    for start in range(0, len(prompt), 32):
+        assert ctx.decode(engine.Batch.for_sequence(prompt[start:start + 32], 0, start)) == 0
+    return sub.drain()[-1].logprobs[-1]
+
+
+def test_reuse_changes_the_cost_of_a_turn_not_its_answer(gemma3_16):
+    """Random multi-turn histories on one slot, each turn's prompt cut back to a random point of the last
+    one and extended: whether the server keeps the prefix, restores a checkpoint or re-processes it all, the
+    first token's distribution equals a new context's for the whole prompt."""
+    kinds = set()
+    for seed in range(4):
+        rng = random.Random(seed)
+        sim = server(gemma3_16, publish_logits=True)
+        sub = sim.ctx.bus.subscribe(kinds=(ev.OutputLogProbs, ev.ServerPromptReused))
+        prompt = [rng.randrange(3, 500) for _ in range(rng.randrange(20, 300))]
+        for _ in range(5):
+            starts = tuple(sorted(rng.sample(range(1, len(prompt)), k=min(3, len(prompt) - 1))))
+            sim.submit(Task(prompt, n_predict=2, id_slot=0, user_starts=starts))
+            sim.run()
+            events = sub.drain()
+            reused = next(e for e in events if isinstance(e, ev.ServerPromptReused))
+            kinds.add("forced" if reused.forced_full else "restored" if reused.restored_n_tokens >= 0 else "kept")
+            served = [e for e in events if isinstance(e, ev.OutputLogProbs) and e.positions[-1:] == (len(prompt) - 1,)]
+            np.testing.assert_allclose(served[0].logprobs[-1], fresh_logprobs(gemma3_16, prompt),
+                                       atol=BATCHING_TOLERANCE)
+            cut = rng.randrange(1, len(prompt) + 1)
+            prompt = prompt[:cut] + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 200 if cut < 300 else 40))]
+            prompt = prompt[:500]
+    assert kinds == {"kept", "restored", "forced"}
+
+
+def test_bad_requests_are_refused_and_leave_the_server_as_it_was(gemma3_16):
+    sim = server(gemma3_16)
+    with pytest.raises(KvscopeError, match="id_slot 5 is not a slot"):
+        sim.submit(Task([5, 6, 7], id_slot=5))
+    with pytest.raises(KvscopeError, match="at least one prompt token"):
+        sim.submit(Task([]))
+    with pytest.raises(KvscopeError, match="n_seq_max >= 3"):
+        ServerSim(sim.ctx, ServerParams(n_slots=3))
+    assert not sim.busy
+    sim.submit(Task(list(range(3, 600)), id_slot=0))  # longer than the slot's 512 tokens
+    done = sim.run()[-1]
+    assert done.stop == "error" and "exceeds the available context size (512 tokens)" in done.error
+    assert sim.ctx.memory.seq_pos_max(0) == -1 and not sim.slots[0].tokens
