@@ -199,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = command("make-tiny-model", help="write a tiny random llama (HF folder and GGUF) for demos")
     tiny.add_argument("folder")
     _add_serve_flags(command("serve", help=SERVE_HELP))
+    _add_server_sim_flags(command("server-sim", help=SERVER_SIM_HELP))
     _add_tui_flags(command("tui", help="the terminal explorer (what `kvscope` alone starts, on the demo model)"))
     record = command("record", help="run generate or parallel and record every event to a file "
                                     "(docs/recording-format.md)")
@@ -217,6 +218,31 @@ def build_parser() -> argparse.ArgumentParser:
         commands[f"record {name}"] = nested
     parser.commands = commands
     return parser
+
+
+SERVER_SIM_HELP = ("llama-server's slots on the cache: scripted multi-turn chats with prompt reuse, context checkpoints "
+                   "and the re-processing warning, in the server's own log lines (docs/server-sim.md)")
+
+
+def _add_server_sim_flags(p: argparse.ArgumentParser) -> None:
+    _add_context_flags(p, np_default=2, np_help="number of slots (llama-server's -np; slot i uses sequence i)")
+    _add_sampling_flags(p)
+    p.add_argument("--chat", default=None, metavar="FILE",
+                   help="the conversations to run, a JSON script (docs/server-sim.md; default: the built-in demo "
+                        "script, two users on two slots)")
+    p.add_argument("-sps", "--slot-prompt-similarity", type=float, default=0.10,
+                   help="how much of a prompt an idle slot's kept tokens must share for the slot to be chosen "
+                        "(0: choose the least recently used)")
+    p.add_argument("--cache-reuse", type=int, default=0, metavar="N",
+                   help="reuse chunks of at least N tokens from further on in a slot's cache by shifting them "
+                        "(needs a cache that can shift; 0: off)")
+    p.add_argument("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints", dest="ctx_checkpoints", type=int, default=32,
+                   metavar="N", help="context checkpoints per slot (0: none)")
+    p.add_argument("-cms", "--checkpoint-min-step", type=int, default=8192, metavar="N",
+                   help="fewest tokens between two checkpoints of a prompt's user messages")
+    p.add_argument("--context-shift", action="store_true",
+                   help="when a slot is full, discard half of it after --keep tokens and go on")
+    p.add_argument("--keep", type=int, default=0, help="tokens of the prompt a context shift keeps (-1: all)")
 
 
 PARALLEL_HELP = "N clients answering a stream of requests with continuous batching (llama.cpp's parallel example)"
@@ -508,6 +534,35 @@ def _print_perf(ctx, gen, load_ms: float, verbose: bool = False) -> None:
         print(line, file=sys.stderr)
 
 
+def cmd_server_sim(args: argparse.Namespace) -> int:
+    import engine
+    from engine.runners.server import ServerLog, ServerParams, ServerSim
+    from engine.runners.server.conversations import ChatRunner, load_script
+    from engine.runners.server.report import turn_table
+
+    script = args.chat or os.path.join(os.path.dirname(__file__), "runners", "server", "chats", "demo.json")
+    conversations = load_script(script)  # a bad script is told before the model loads
+    params = ServerParams(n_slots=args.parallel, slot_prompt_similarity=args.slot_prompt_similarity,
+                          cache_reuse=args.cache_reuse, ctx_checkpoints=args.ctx_checkpoints,
+                          checkpoint_min_step=args.checkpoint_min_step, context_shift=args.context_shift,
+                          sampler=_sampler_params(args))
+    settings = _checked_context_kwargs(args, args.parallel)
+    model, _ = _load_model(args)
+    ctx = engine.Context(model, **settings)
+    sim = ServerSim(ctx, params, log=ServerLog(ctx.bus, verbose=args.verbose, echo=_write_line))
+    runner = ChatRunner(sim, conversations, n_keep=args.keep)
+    results = runner.run()
+    _write_line("")
+    for line in turn_table(results):
+        _write_line(line)
+    _write_line(f"checkpoints held at the end: {sim.checkpoints.bytes_held / 2**20:.3f} MiB of host memory")
+    return 0
+
+
+def _write_line(text: str) -> None:
+    _write(text + "\n")
+
+
 def cmd_estimate(args: argparse.Namespace) -> int:
     import json
 
@@ -665,7 +720,7 @@ def _run(args: argparse.Namespace) -> int:
         raise KvscopeError("the terminal explorer starts from the kvscope command (kvscope.launcher), not engine.cli")
     commands = {"generate": cmd_generate, "parallel": cmd_parallel, "estimate": cmd_estimate,
                 "make-tiny-model": cmd_make_tiny_model, "record": cmd_record,
-                "serve": cmd_serve}
+                "serve": cmd_serve, "server-sim": cmd_server_sim}
     try:
         rc = commands[args.command](args)
         sys.stdout.flush()  # now rather than at exit, so that a reader that went away is noticed in main

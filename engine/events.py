@@ -402,6 +402,7 @@ class ServerPromptReused(Event):
     pos_min: int = -1  # the sequence's lowest position (an iSWA pair: in the SWA cache), -1: not read
     pos_min_thold: int = -1
     restored_n_tokens: int = -1  # the restored checkpoint's token count, -1: none
+    quirk: str = ""  # set when llama-server's rule searched its checkpoints though the cache served the prefix
 
 
 @dataclass(frozen=True, eq=False)

@@ -29,6 +29,10 @@ from engine.runners.server.log import ServerLog
 from engine.runners.server.slot import Slot, Task, common_prefix, now_us, select_slot
 from engine.sampling import Sampler, SamplerParams
 
+QUIRK_NEEDLESS_SEARCH = (
+    "llama.cpp QUIRK (tools/server/server-context.cpp, `pos_min >= pos_min_thold`): the cache still holds every "
+    "position from {pos_min} on, and the window of the first new token needs those from {needed}, yet the server "
+    "went to its checkpoints ({outcome}): {lost} tokens of the common prefix recomputed")
 FORCED_FULL = ("forcing full prompt re-processing due to lack of cache data (likely due to SWA or hybrid/recurrent "
                "memory, see https://github.com/ggml-org/llama.cpp/pull/13194#issuecomment-2868343055)")
 CONTEXT_EXCEEDED = "Context size has been exceeded."
@@ -234,6 +238,13 @@ class ServerSim:
                            f"{pos_next} starts at {pos_min_thold}, and no checkpoint ends at or before {pos_next}")
                     log.slot("info", "operator()", slot.id, task.id, FORCED_FULL)
                     pos_next, n_past = 0, 0
+        quirk = ""
+        # the first token evaluated (at n_common, or one before it when nothing is new) sees n_swa positions
+        needed = max(0, n_common - (0 if has_new_tokens else 1) - self.n_swa + 1)
+        if 0 <= pos_min <= needed and n_past < n_common:
+            quirk = QUIRK_NEEDLESS_SEARCH.format(pos_min=pos_min, needed=needed, lost=n_common - n_past,
+                                                 outcome="a full re-processing forced" if forced else
+                                                 f"the checkpoint of n_tokens = {restored} restored")
         self.checkpoints.erase_invalidated(slot, pos_next, self.n_swa)
         if n_past == n_prompt and n_past > 0:
             log.slot("warn", "operator()", slot.id, task.id, f"need to evaluate at least 1 token for each active slot "
@@ -245,7 +256,7 @@ class ServerSim:
         self.ctx.bus.publish(ev.ServerPromptReused(
             slot=slot.id, task=task.id, n_prompt=n_prompt, n_kept=len(kept), n_common=n_common, n_past=n_past,
             n_cache_reused=n_moved, forced_full=forced, why=why, pos_min=pos_min, pos_min_thold=pos_min_thold,
-            restored_n_tokens=restored))
+            restored_n_tokens=restored, quirk=quirk))
         return True
 
     def _reuse_chunks(self, slot: Slot, n_past: int) -> tuple[int, int]:
@@ -355,9 +366,11 @@ class ServerSim:
             slot.state = "generating"
             slot.t_prompt_ms = 1e3 * (time.perf_counter() - slot.t_prompt_start)
             slot.t_gen_start = time.perf_counter()
-        token = slot.sampler.sample(self.ctx.logits_for_token(index), seq_id=slot.id)
-        slot.generated.append(token)
         task, log = slot.task, self.log
+        token = slot.sampler.sample(self.ctx.logits_for_token(index), seq_id=slot.id)
+        if len(slot.generated) < len(task.answer):  # a scripted answer: the history holds what the script says
+            token = task.answer[len(slot.generated)]
+        slot.generated.append(token)
         n_gen = len(slot.generated)
         n_remaining = task.n_predict - n_gen if task.n_predict >= 0 else -1
         stop = ""

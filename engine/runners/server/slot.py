@@ -21,6 +21,7 @@ class Task:
     n_keep: int = 0
     n_discard: int = 0
     user_starts: tuple[int, ...] = ()
+    answer: tuple[int, ...] = ()  # the answer's tokens when a script fixes it (generated as given)
     label: str = ""
     id: int = -1  # given by the server when it takes the task
 
