@@ -227,9 +227,16 @@ SERVER_SIM_HELP = ("llama-server's slots on the cache: scripted multi-turn chats
 def _add_server_sim_flags(p: argparse.ArgumentParser) -> None:
     _add_context_flags(p, np_default=2, np_help="number of slots (llama-server's -np; slot i uses sequence i)")
     _add_sampling_flags(p)
+    _add_server_policy_flags(p)
+    p.add_argument("--context-shift", action="store_true",
+                   help="when a slot is full, discard half of it after --keep tokens and go on")
+    p.add_argument("--keep", type=int, default=0, help="tokens of the prompt a context shift keeps (-1: all)")
+
+
+def _add_server_policy_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", default=None, metavar="FILE",
-                   help="the conversations to run, a JSON script (docs/server-sim.md; default: the built-in demo "
-                        "script, two users on two slots)")
+                   help="server: the conversations to run, a JSON script (docs/server-sim.md; default: the built-in "
+                        "demo script, two users on two slots)")
     p.add_argument("-sps", "--slot-prompt-similarity", type=float, default=0.10,
                    help="how much of a prompt an idle slot's kept tokens must share for the slot to be chosen "
                         "(0: choose the least recently used)")
@@ -240,9 +247,6 @@ def _add_server_sim_flags(p: argparse.ArgumentParser) -> None:
                    metavar="N", help="context checkpoints per slot (0: none)")
     p.add_argument("-cms", "--checkpoint-min-step", type=int, default=8192, metavar="N",
                    help="fewest tokens between two checkpoints of a prompt's user messages")
-    p.add_argument("--context-shift", action="store_true",
-                   help="when a slot is full, discard half of it after --keep tokens and go on")
-    p.add_argument("--keep", type=int, default=0, help="tokens of the prompt a context shift keeps (-1: all)")
 
 
 PARALLEL_HELP = "N clients answering a stream of requests with continuous batching (llama.cpp's parallel example)"
@@ -320,9 +324,10 @@ def _add_session_flags(p: argparse.ArgumentParser) -> None:
     _add_context_flags(p, np_default=4, np_help=f"sequences of the context (idle, generate), or clients of the parallel "
                                                 f"workload (1 to {MAX_SEQ - 1}; it takes one sequence more)")
     _add_sampling_flags(p)
-    p.add_argument("--workload", default="idle", choices=["idle", "generate", "parallel"],
+    p.add_argument("--workload", default="idle", choices=["idle", "generate", "parallel", "server"],
                    help="what runs between commands: idle (a prompt is decoded at once; the cache is yours), generate "
-                        "(prompts generate together), parallel (clients answering a stream of requests)")
+                        "(prompts generate together), parallel (clients answering a stream of requests), server "
+                        "(llama-server's slots running the conversations of --chat; -np slots)")
     p.add_argument("-p", "--prompt", action="append", default=None, metavar="TEXT",
                    help="a prompt to add at start (repeatable; default: none)")
     p.add_argument("-n", "--n-predict", type=int, default=64,
@@ -339,6 +344,7 @@ def _add_session_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arrival-gap", type=int, default=2, help="parallel: mean number of steps between two arrivals")
     p.add_argument("--system-prompt", default=None, help="parallel: the shared system prompt (default: a built-in one)")
     p.add_argument("--no-pps", dest="pps", action="store_false", help="parallel: do not share the system prompt")
+    _add_server_policy_flags(p)
     p.add_argument("--speed", type=float, default=0.0, metavar="STEPS_PER_S",
                    help="steps per second while running (0: as fast as possible)")
     p.add_argument("--start", action="store_true", help="run at once (else paused until start)")
@@ -654,7 +660,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def session_settings(args: argparse.Namespace) -> tuple[dict, object]:
     """The context settings and WorkloadSpec of the session flags (serve, tui), checked before any load."""
     spec = _served_workload(args)
-    settings = _checked_context_kwargs(args, spec.n_seq_max_needed() if spec.kind == "parallel" else args.parallel)
+    settings = _checked_context_kwargs(args, max(spec.n_seq_max_needed(), args.parallel))
     if getattr(args, "attention", False):
         settings["publish_attention"] = True
     _hint_kv_cache_debug(args.verbose)
@@ -682,10 +688,16 @@ def _served_workload(args: argparse.Namespace):
         if args.sequences < 0:
             raise KvscopeError(f"--sequences must be >= 0, got {args.sequences}")
         check_system_prompt(system_prompt, args.pps)
+    if args.workload == "server" and args.chat:
+        from engine.runners.server.conversations import load_script
+
+        load_script(args.chat)  # a bad script is told before the model loads
     return WorkloadSpec(kind=args.workload, n_predict=args.n_predict, n_clients=args.parallel,
                         n_sequences=args.sequences, arrival_gap=args.arrival_gap, schedule_seed=args.seed,
                         system_prompt=system_prompt, share_system_prompt=args.pps, context_shift=args.context_shift,
-                        n_keep=args.keep, n_ctx_slot=args.slot_ctx, sampler=_sampler_params(args))
+                        n_keep=args.keep, n_ctx_slot=args.slot_ctx, sampler=_sampler_params(args), chat=args.chat or "",
+                        slot_prompt_similarity=args.slot_prompt_similarity, cache_reuse=args.cache_reuse,
+                        ctx_checkpoints=args.ctx_checkpoints, checkpoint_min_step=args.checkpoint_min_step)
 
 
 def _print_serve_banner(server, session) -> None:

@@ -250,6 +250,7 @@ class DeviceBytes:
     weights: int
     kv: int
     compute: int
+    checkpoints: int = 0  # a server simulation's context checkpoints (host memory)
 
 
 @dataclass(frozen=True, eq=False)
@@ -583,9 +584,10 @@ class EventBus:
 
     def add_state_source(self, state_events: Callable[[], list[Event]]) -> None:
         """Register a bound method returning the events that describe its owner's current state; every
-        later subscriber receives them first (see subscribe)."""
+        later subscriber receives them first (see subscribe), in the order of registration. Registering
+        one again moves it to the end."""
         with self._lock:
-            self._state_sources = [r for r in self._state_sources if r() is not None]
+            self._state_sources = [r for r in self._state_sources if r() is not None and r() != state_events]
             self._state_sources.append(weakref.WeakMethod(state_events))
 
     def current_state(self) -> list[Event]:

@@ -39,6 +39,9 @@ class DeviceBars(TextPanel):
         text.append("K/V", style=PART_COLORS["kv"])
         text.append(" · ")
         text.append("compute", style=PART_COLORS["compute"])
+        if any(row.bytes.get("checkpoints") for row in devices.rows.values()):
+            text.append(" · ")
+            text.append("checkpoints", style=PART_COLORS["checkpoints"])
         letters, out = devices.layer_letters()
         if letters:
             text.append("\nlayers ")

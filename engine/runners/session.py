@@ -93,6 +93,7 @@ class Session:
         self._lock = threading.Lock()  # guards what status() reads
         self._queue: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._closed = False
+        self._opened = False  # its state source registered (after the first context's)
         # what each sequence serves, for the state a new watcher starts from (the runners publish it once)
         self._assignments = self.bus.subscribe(kinds=(ev.SequenceAssigned,), with_state=False)
         self._assigned: dict[int, ev.SequenceAssigned] = {}
@@ -111,6 +112,7 @@ class Session:
             self.close()
             raise
         self.bus.add_state_source(self._state_events)
+        self._opened = True
         self._publish_status()
 
     def _open(self, model: str | Path | Model, dtype: str) -> None:
@@ -436,8 +438,9 @@ class Session:
         self._set_state("running")
 
     def _do_stop(self) -> None:
-        for seq_id in self._workload.active_seqs():
-            self._workload.stop_seq(seq_id, "stopped")
+        if not self._workload.owns_sequences:  # the others' runs end with the workload, their cells stay
+            for seq_id in self._workload.active_seqs():
+                self._workload.stop_seq(seq_id, "stopped")
         self._workload = make_workload(WorkloadSpec(kind="idle"), self.ctx)
         for _, done, future in self._step_requests:
             future.set_result(done)
@@ -448,7 +451,7 @@ class Session:
         if spec.n_seq_max_needed() > self.ctx.n_seq_max:
             raise KvscopeError(f"the {spec.kind} workload needs n_seq_max >= {spec.n_seq_max_needed()}, the context "
                                f"has {self.ctx.n_seq_max}; rebuild with a larger n_seq_max first")
-        if spec.kind == "parallel":
+        if spec.kind in ("parallel", "server"):  # they own their sequences from the start
             self.ctx.memory.clear()
         workload = make_workload(spec, self.ctx)
         self._spec, self._workload = spec, workload
@@ -507,8 +510,8 @@ class Session:
     def _do_load(self, source: bytes | str | Path, seq_id: int | None) -> int:
         data = Path(source).read_bytes() if isinstance(source, (str, Path)) else source
         replaced = [s for s in self._workload.active_seqs() if seq_id is None or s == seq_id]
-        if replaced and self._workload.name == "parallel":
-            self._workload.stop_seq(replaced[0], "")  # refuses: the parallel workload owns its sequences
+        if replaced and self._workload.owns_sequences:
+            self._workload.stop_seq(replaced[0], "")  # refuses: the workload owns its sequences
         n_read = self.ctx.state_set_data(data) if seq_id is None else self.ctx.state_seq_set_data(data, seq_id)
         for s in replaced:  # only once the state is in: a refused state changes nothing, generation included
             self._workload.stop_seq(s, "replaced by a loaded state")
@@ -520,13 +523,17 @@ class Session:
         for event in self._assignments.drain():
             self._assigned[event.seq_id] = event
         status = self.status()
+        workload_state = getattr(self._workload, "state_events", None)  # e.g. a server's slots and checkpoints
         return [ev.SessionStatus(status.state, status.step, status.workload, status.steps_per_second),
-                *self._assigned.values()]
+                *self._assigned.values(), *(workload_state() if workload_state else [])]
 
     def _new_context(self, settings: dict, spec: WorkloadSpec, model: Model | None = None) -> Context:
         settings = dict(settings)
         settings["n_seq_max"] = max(settings.get("n_seq_max", 1), spec.n_seq_max_needed())
-        return Context(model or self._model, bus=self.bus, **settings)
+        ctx = Context(model or self._model, bus=self.bus, **settings)
+        if self._opened:  # the session's state (a workload's memory included) goes after the new context's
+            self.bus.add_state_source(self._state_events)
+        return ctx
 
     def _release_context(self) -> None:
         """Drop the context now, so that its weights' placement and device reservations are free for the

@@ -6,6 +6,11 @@
   joins at the next step.
 - parallel: llama.cpp's parallel example (engine/runners/parallel.py): clients answering a stream of
   requests with continuous batching; a prompt becomes one more request.
+- server: llama-server's slots (engine/runners/server/): the conversations of a chat script, with prompt
+  reuse, context checkpoints and the server's log lines; a prompt becomes one more conversation.
+
+A workload that owns its sequences (parallel, server) refuses a state loaded into one of them, and stopping
+it leaves them as they are.
 
 A workload never catches what its context raises: the session turns failures into events.
 """
@@ -22,7 +27,7 @@ from engine.runners.parallel_workload import make_schedule
 from engine.sampling import SamplerParams
 from engine.watch.protocol import StepOutcome
 
-WORKLOAD_KINDS = ("idle", "generate", "parallel")
+WORKLOAD_KINDS = ("idle", "generate", "parallel", "server")
 
 
 IDLE = StepOutcome("idle")
@@ -45,6 +50,11 @@ class WorkloadSpec:
     n_keep: int = 0
     n_ctx_slot: int = 0  # parallel: each client's own context (llama-server's slots), 0: none
     sampler: SamplerParams = field(default_factory=SamplerParams)  # or a dict of its fields
+    chat: str = ""  # server: the chat script (docs/server-sim.md); "": the built-in demo conversations
+    slot_prompt_similarity: float = 0.10  # server: -sps
+    cache_reuse: int = 0  # server: --cache-reuse
+    ctx_checkpoints: int = 32  # server: -ctxcp
+    checkpoint_min_step: int = 8192  # server: -cms
 
     def __post_init__(self) -> None:
         if isinstance(self.sampler, dict):  # a front-end names the sampler's settings without importing it
@@ -55,12 +65,16 @@ class WorkloadSpec:
             raise KvscopeError(f"n_predict must be >= 1 (or -1: until the end of generation), got {self.n_predict}")
 
     def n_seq_max_needed(self) -> int:
-        """Sequences a context needs for this workload (parallel: one per client and the system prompt's)."""
-        return self.n_clients + 1 if self.kind == "parallel" else 1
+        """Sequences a context needs for this workload (parallel: one per client and the system prompt's;
+        server: one per slot)."""
+        return {"parallel": self.n_clients + 1, "server": self.n_clients}.get(self.kind, 1)
 
 
 def make_workload(spec: WorkloadSpec, ctx: Context):
-    return {"idle": IdleWorkload, "generate": GenerationWorkload, "parallel": ParallelWorkload}[spec.kind](spec, ctx)
+    from engine.runners.server.workload import ServerWorkload
+
+    kinds = {"idle": IdleWorkload, "generate": GenerationWorkload, "parallel": ParallelWorkload, "server": ServerWorkload}
+    return kinds[spec.kind](spec, ctx)
 
 
 def free_seq_id(ctx: Context, busy: list[int]) -> int:
@@ -74,6 +88,7 @@ def free_seq_id(ctx: Context, busy: list[int]) -> int:
 
 class IdleWorkload:
     name = "idle"
+    owns_sequences = False
 
     def __init__(self, spec: WorkloadSpec, ctx: Context) -> None:
         self.ctx = ctx
@@ -106,6 +121,7 @@ class IdleWorkload:
 
 class GenerationWorkload:
     name = "generate"
+    owns_sequences = False
 
     def __init__(self, spec: WorkloadSpec, ctx: Context) -> None:
         self.ctx = ctx
@@ -137,6 +153,7 @@ class GenerationWorkload:
 
 class ParallelWorkload:
     name = "parallel"
+    owns_sequences = True
 
     def __init__(self, spec: WorkloadSpec, ctx: Context) -> None:
         self.spec = spec

@@ -9,9 +9,11 @@ import numpy as np
 from engine import events as ev
 from engine.watch.frames import EMPTY, SHARED
 
-EVENT_GROUPS = ("all", "cells", "decodes", "tokens", "commands", "quirks")
+EVENT_GROUPS = ("all", "cells", "decodes", "tokens", "commands", "server", "quirks")
+SERVER_KINDS = ("ServerLogLine", "ServerTaskStarted", "ServerPromptReused", "CheckpointChanged", "ServerTaskFinished")
 GROUP_KINDS = {"cells": ("CellsChanged",), "decodes": ("DecodeStarted", "DecodeFinished", "SlotSearchFailed", "WorkloadStep"),
-               "tokens": ("TokenSampled", "SequenceAssigned"), "commands": ("CommandDone", "SessionStatus")}
+               "tokens": ("TokenSampled", "SequenceAssigned"), "commands": ("CommandDone", "SessionStatus"),
+               "server": SERVER_KINDS}
 
 
 def describe_event(event: ev.Event) -> str:
@@ -22,8 +24,8 @@ def describe_event(event: ev.Event) -> str:
             text += "  (dry run)"
         if event.cause:
             text += f"  by {event.cause}"
-        if event.quirk:
-            text += f"  ! {event.quirk}"
+    if getattr(event, "quirk", ""):
+        text += f"  ! {event.quirk}"
     return text
 
 
@@ -77,6 +79,32 @@ def _what(event: ev.Event) -> str:
         return f"{kind} {event.cache} stream {event.src_stream} -> {event.dst_stream}"
     if isinstance(event, ev.EventsDropped):
         return f"{kind} {event.count} events lost: resyncing"
+    return _server_what(event, kind)
+
+
+def _server_what(event: ev.Event, kind: str) -> str:
+    if isinstance(event, ev.ServerLogLine):
+        return f"{'IWED'['iwed'.index(event.level[0])]} {event.text}"
+    if isinstance(event, ev.ServerTaskStarted):
+        how = {"id": "by its id", "similarity": f"by similarity {event.similarity:.3f}", "lru": "least recently used"}
+        return (f"{kind} slot {event.slot}: task {event.task}" + (f" ({event.label})" if event.label else "") +
+                f", slot chosen {how.get(event.selected_by, event.selected_by)}, {event.n_prompt} prompt tokens")
+    if isinstance(event, ev.ServerPromptReused):
+        text = (f"{kind} slot {event.slot} task {event.task}: {event.n_past} of {event.n_prompt} tokens reused, "
+                f"{event.n_prompt - event.n_past} to process")
+        if event.forced_full:
+            return text + f"  FULL RE-PROCESSING: {event.why}"
+        if event.restored_n_tokens >= 0:
+            return text + f"  (checkpoint of n_tokens = {event.restored_n_tokens} restored)"
+        return text
+    if isinstance(event, ev.CheckpointChanged):
+        why = f" ({event.why})" if event.why else ""
+        return (f"{kind} slot {event.slot} {event.action}{why} [{event.pos_min}, {event.pos_max}] n_tokens "
+                f"{event.n_tokens}, {event.n_bytes / 2**20:.3f} MiB; {event.n_held} held")
+    if isinstance(event, ev.ServerTaskFinished):
+        stop = f"error: {event.error}" if event.error else event.stop
+        return (f"{kind} slot {event.slot} task {event.task}: {stop}; {event.n_cached} reused, {event.n_processed} "
+                f"processed, {event.n_generated} generated; the slot keeps {event.n_kept} tokens")
     return kind
 
 
@@ -98,7 +126,8 @@ def event_seqs(event: ev.Event) -> set[int]:
             return out
     if isinstance(event, ev.DecodeStarted):
         return set(event.seq_ids)
-    return set()
+    slot = getattr(event, "slot", -1)  # the server's events: slot i is sequence i
+    return {slot} if isinstance(slot, int) and slot >= 0 else set()
 
 
 def event_group(event: ev.Event) -> str:
@@ -112,6 +141,8 @@ def event_group(event: ev.Event) -> str:
         return "tokens"
     if isinstance(event, (ev.CommandDone, ev.SessionStatus)):
         return "commands"
+    if type(event).__name__ in SERVER_KINDS:
+        return "server"
     return "other"
 
 

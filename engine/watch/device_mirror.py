@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from engine import events as ev
 
-PARTS = ("weights", "kv", "compute")
+PARTS = ("weights", "kv", "compute", "checkpoints")  # checkpoints: a server's context checkpoints, in host memory
 
 
 @dataclass
@@ -48,7 +48,8 @@ class DeviceMirror:
             row.virtual, row.capacity, row.reserved = event.virtual, event.capacity, event.reserved
         elif isinstance(event, ev.DeviceMemoryState):
             self.rows = {d.device: DeviceRow(d.device, d.virtual, d.capacity, d.reserved,
-                                             {"weights": d.weights, "kv": d.kv, "compute": d.compute})
+                                             {"weights": d.weights, "kv": d.kv, "compute": d.compute,
+                                              "checkpoints": d.checkpoints})
                          for d in event.devices}
 
     def state_events(self) -> list[ev.Event]:
@@ -58,7 +59,7 @@ class DeviceMirror:
             return []
         rows = ev.DeviceMemoryState(tuple(
             ev.DeviceBytes(r.name, r.virtual, r.capacity, r.reserved, r.bytes.get("weights", 0), r.bytes.get("kv", 0),
-                           r.bytes.get("compute", 0)) for r in self.rows.values()))
+                           r.bytes.get("compute", 0), r.bytes.get("checkpoints", 0)) for r in self.rows.values()))
         return ([self.placement] if self.placement is not None else []) + [rows]
 
     def snapshot(self) -> dict:

@@ -337,7 +337,7 @@ def concerns_seq(event: ev.Event, seq_id: int) -> bool:
     """Whether an event concerns a sequence. An event that names sequences (a removal, a copy, a shift, a
     decode's batch, a sampled token, an assignment) concerns those it names, a removal of every sequence
     (seq_id -1) any of them; a cell change that names none (a placement, a rollback, a K-shift, a
-    snapshot) concerns the sequences its cells hold afterwards."""
+    snapshot) concerns the sequences its cells hold afterwards; a server's event, its slot's sequence."""
     if isinstance(event, ev.CellsCopied):
         return seq_id in (event.src_seq, event.dst_seq)
     if isinstance(event, ev.DecodeStarted):
@@ -348,7 +348,7 @@ def concerns_seq(event: ev.Event, seq_id: int) -> bool:
     if isinstance(event, ev.CellsChanged):
         byte, bit = seq_id >> 3, seq_id & 7
         return any(bool(np.any((change.seq_bits[:, byte] >> bit) & 1)) for change in event.changes)
-    return False
+    return getattr(event, "slot", None) == seq_id  # the server's events: slot i is sequence i
 
 
 def concerns_cache(event: ev.Event, cache: str) -> bool:

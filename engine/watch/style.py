@@ -35,7 +35,8 @@ SHARED_COLOR_ON_LIGHT = "#333333"
 EMPTY_COLOR_ON_LIGHT = "#8A8A8A"
 
 EMPTY_FILL = {True: "#2A2A2A", False: "#EEEEEE"}  # an empty cell drawn as a filled square: near the page
-MEMORY_PART_COLORS = {"weights": "#0072B2", "kv": "#E69F00", "compute": "#999999"}  # device memory bars
+MEMORY_PART_COLORS = {"weights": "#0072B2", "kv": "#E69F00", "compute": "#999999",  # device memory bars
+                      "checkpoints": "#CC79A7"}
 
 GLYPH_EMPTY = "·"
 GLYPH_ONE = "█"

@@ -18,9 +18,11 @@ from engine.errors import KvscopeError
 from engine.watch.frames import Frame, FrameSource
 from engine.watch.history import CellHistory
 from engine.watch.mirror import CacheMirror
+from engine.watch.server_slots import SERVER_EVENTS, ServerSlots
 
 StateSource = Callable[[], list[ev.Event]]
 _STATUS_KINDS = (ev.SessionStatus, ev.WorkloadStep, ev.CommandDone)
+_SERVER_KINDS = frozenset(SERVER_EVENTS)
 
 
 class Watcher:
@@ -37,6 +39,7 @@ class Watcher:
         self.mirror = CacheMirror()
         self.frames = FrameSource(self.mirror)
         self.history = CellHistory(history_depth)
+        self.server = ServerSlots()  # a server simulation's slots (empty for other workloads)
         self.recent: collections.deque[ev.Event] = collections.deque(maxlen=recent)  # for the event log
         self.status: ev.SessionStatus | None = None
         self.last_step: ev.WorkloadStep | None = None
@@ -131,8 +134,11 @@ class Watcher:
         for event in events:
             frames.apply(event)
             history.apply(event)
-            if type(event) in _STATUS_KINDS:
+            kind = type(event)
+            if kind in _STATUS_KINDS:
                 self._note_status(event)
+            elif kind in _SERVER_KINDS:
+                self.server.apply(event)
         self.recent.extend(events)
         self.events += len(events)
 

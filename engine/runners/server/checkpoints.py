@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from engine import events as ev
 from engine.kv.state import STATE_SEQ_FLAGS_PARTIAL_ONLY
+from engine.placement.device_memory import publish_memory_change
+from engine.placement.devices import CPU
 from engine.runners.server.log import ServerLog
 from engine.runners.server.slot import Checkpoint, Slot
-
-HOST = "CPU"  # llama-server keeps checkpoints in host memory, whatever device holds the cache
 
 
 class CheckpointStore:
@@ -87,10 +87,9 @@ class CheckpointStore:
         bus.publish(ev.CheckpointChanged(slot=slot.id, task=slot.task_id, action=action, pos_min=cp.pos_min,
                                          pos_max=cp.pos_max, n_tokens=cp.n_tokens, n_bytes=len(cp.data), why=why,
                                          n_held=len(slot.checkpoints)))
-        if delta:
+        if delta:  # llama-server keeps checkpoints in host memory, whatever device holds the cache
             self._bytes += delta
-            bus.publish(ev.DeviceMemoryChanged(device=HOST, virtual=False, capacity=None, reserved=None,
-                                               what="checkpoints", delta=delta))
+            publish_memory_change(bus, {CPU: abs(delta)}, "checkpoints", 1 if delta > 0 else -1)
 
     @staticmethod
     def _text(cp: Checkpoint) -> str:

@@ -178,6 +178,12 @@ class ChatRunner:
         self._seen = len(sim.finished)
         self._sub = sim.ctx.bus.subscribe(kinds=(ev.ServerPromptReused,))
 
+    def add(self, conversation: Conversation) -> None:
+        if conversation.slot >= self.sim.params.n_slots:
+            raise ScriptError(f"conversation {conversation.name!r} asks for slot {conversation.slot}, but the server "
+                              f"has {self.sim.params.n_slots} slots (-np)")
+        self.progress.append(_Progress(conversation, system=conversation.system))
+
     @property
     def done(self) -> bool:
         return all(p.next_turn == len(p.conversation.turns) and p.waiting_task < 0 for p in self.progress)
@@ -216,7 +222,7 @@ class ChatRunner:
         answer = tuple(answer_tokens(self.tokenizer, turn.assistant)) if turn.assistant is not None else ()
         task = self.sim.submit(Task(prompt.tokens, n_predict=len(answer) or turn.n_predict, id_slot=p.conversation.slot,
                                     user_starts=prompt.user_starts, answer=answer, n_keep=self.n_keep,
-                                    label=f"{p.conversation.name} turn {p.next_turn + 1}"))
+                                    label=f"{p.conversation.name} turn {p.next_turn + 1}", text=turn.user))
         p.waiting_task = task.id
         self._turns[task.id] = (p, turn)
 

@@ -24,6 +24,7 @@ from engine import events as ev
 from engine.batch import Batch
 from engine.context import Context
 from engine.errors import KvscopeError
+from engine.placement.devices import CPU
 from engine.runners.server.checkpoints import CheckpointStore
 from engine.runners.server.log import ServerLog
 from engine.runners.server.slot import Slot, Task, common_prefix, now_us, select_slot
@@ -79,6 +80,7 @@ class ServerSim:
         self.waiting: list[Task] = []
         self.finished: list[ev.ServerTaskFinished] = []
         self._next_task_id = 0
+        self.sampled_last_step = 0
         self._startup_lines(n_ctx_slot)
 
     def _startup_lines(self, n_ctx_slot: int) -> None:
@@ -100,6 +102,37 @@ class ServerSim:
             log.srv("info", "load_model", "context checkpoints disabled")
         log.srv("info", "update_slots", "all slots are idle")
         self._idle_told = True
+
+    def follow_the_cache(self) -> None:
+        """After the cache was changed from outside (a command on an idle slot's sequence), each idle slot
+        keeps the tokens up to its sequence's last position, as if the server had cut them itself; a slot
+        whose sequence was emptied forgets its checkpoints too. llama-server has no such outside hand."""
+        for slot in self.slots:
+            if slot.is_processing or not slot.tokens:
+                continue
+            n_held = self.ctx.memory.seq_pos_max(slot.id) + 1
+            if n_held < len(slot.tokens):
+                del slot.tokens[max(n_held, 0):]
+                if not slot.tokens:
+                    self.checkpoints.clear(slot)
+
+    def state_events(self) -> list[ev.Event]:
+        """Events that tell a new watcher what the slots run and hold: each running task, each held
+        checkpoint, and the host memory of all of them."""
+        events: list[ev.Event] = []
+        for slot in self.slots:
+            task = slot.task
+            if task is not None:
+                events.append(ev.ServerTaskStarted(slot=slot.id, task=task.id, selected_by="", similarity=-1.0,
+                                                   n_prompt=len(task.tokens), label=task.label))
+            for cp in slot.checkpoints:
+                events.append(ev.CheckpointChanged(slot=slot.id, task=cp.id_task, action="created", pos_min=cp.pos_min,
+                                                   pos_max=cp.pos_max, n_tokens=cp.n_tokens, n_bytes=len(cp.data),
+                                                   n_held=len(slot.checkpoints)))
+        if self.checkpoints.bytes_held:
+            events.append(ev.DeviceMemoryChanged(device=CPU.name, virtual=False, capacity=CPU.capacity, reserved=None,
+                                                 what="checkpoints", delta=self.checkpoints.bytes_held))
+        return events
 
     # ---- tasks ---------------------------------------------------------------------------------
     def submit(self, task: Task) -> Task:
@@ -142,6 +175,9 @@ class ServerSim:
             slot.sampler = Sampler(self.params.sampler)
             slot.generated, slot.truncated, slot.n_prompt_processed = [], False, 0
             self.log.slot("info", "launch_slot_with_task", slot.id, task.id, "processing task, is_child = 0")
+            self.ctx.bus.publish(ev.SequenceAssigned(slot.id, f"slot {slot.id}, task {task.id}" +
+                                                     (f" ({task.label})" if task.label else ""),
+                                                     task.text, len(task.tokens)))
             self.ctx.bus.publish(ev.ServerTaskStarted(slot=slot.id, task=task.id, selected_by=how,
                                                       similarity=similarity, n_prompt=len(task.tokens),
                                                       label=task.label))
@@ -150,6 +186,7 @@ class ServerSim:
     # ---- the update loop -----------------------------------------------------------------------
     def step(self) -> int:
         """One iteration of update_slots; returns the tokens decoded (0: nothing to do)."""
+        self.sampled_last_step = 0
         self._launch_waiting()
         if not any(s.is_processing for s in self.slots):
             if not self._idle_told:
@@ -371,6 +408,9 @@ class ServerSim:
         if len(slot.generated) < len(task.answer):  # a scripted answer: the history holds what the script says
             token = task.answer[len(slot.generated)]
         slot.generated.append(token)
+        self.sampled_last_step += 1
+        if self.ctx.bus.active:
+            self.ctx.bus.publish(ev.TokenSampled(slot.id, token, self.tokenizer.decode([token]), len(slot.tokens)))
         n_gen = len(slot.generated)
         n_remaining = task.n_predict - n_gen if task.n_predict >= 0 else -1
         stop = ""

@@ -23,6 +23,7 @@ class Task:
     user_starts: tuple[int, ...] = ()
     answer: tuple[int, ...] = ()  # the answer's tokens when a script fixes it (generated as given)
     label: str = ""
+    text: str = ""  # what the request asks, for the views (the last user message)
     id: int = -1  # given by the server when it takes the task
 
 
