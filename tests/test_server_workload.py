@@ -102,3 +102,30 @@ def test_the_server_flags_reach_the_workload(tmp_path):
     bad.write_text("[]")
     with pytest.raises(KvscopeError, match="bad.json: expected an object"):
         session_settings(build_parser().parse_args(["tui", "--workload", "server", "--chat", str(bad)]))
+
+
+def test_a_recorded_server_run_replays_its_slots_at_any_event(tmp_path):
+    from engine.watch import Recorder, RecordingReader
+    from engine.watch.replay import Replay
+    from engine.watch.server_slots import SERVER_EVENTS, ServerSlots
+
+    path = tmp_path / "server.kvtrace"
+    with Session("demo", settings=SETTINGS, workload=server_spec(), threaded=False) as session:
+        subscription = session.subscribe(maxsize=1 << 20)
+        events = session.current_state()
+        session.step(400).result()
+        events += subscription.drain()
+    with Recorder(path, keyframe_every=100) as recorder:
+        for event in events:
+            recorder.write(event)
+    replay = Replay(RecordingReader(path))
+    for target in (len(events) // 3, len(events) // 2, len(events) - 1, 10):  # forward past keyframes, and back
+        replay.seek(target)
+        expected = ServerSlots()
+        for event in events[:target + 1]:
+            if isinstance(event, SERVER_EVENTS):
+                expected.apply(event)
+        shown = replay.watcher.server
+        assert shown.totals() == expected.totals(), target
+        assert {s: sorted(v.checkpoints) for s, v in shown.slots.items()} == \
+            {s: sorted(v.checkpoints) for s, v in expected.slots.items()}

@@ -6,6 +6,7 @@ screens (pytest --snapshot-report) and accept them with --snapshot-update."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -91,3 +92,38 @@ def test_main_screen_on_a_light_theme(snap_compare, demo_recording):
         await at_the_end(pilot)
 
     assert snap_compare(replay_app(demo_recording), terminal_size=(160, 48), run_before=light)
+
+
+@pytest.fixture(scope="module")
+def server_recording(tmp_path_factory):
+    """The server workload's demo chats (two users on two slots), greedy, recorded to their end."""
+    from engine.runners.workloads import WorkloadSpec
+
+    path = tmp_path_factory.mktemp("snap") / "server.kvtrace"
+    spec = WorkloadSpec(kind="server", n_clients=2, sampler=SamplerParams(temperature=0.0, seed=1))
+    with Session("demo", settings=dict(n_ctx=2048, n_seq_max=2, n_batch=64, n_ubatch=64), workload=spec,
+                 threaded=False) as session:
+        subscription = session.subscribe(maxsize=1 << 20)
+        events = session.current_state()
+        session.step(400).result()
+        events += subscription.drain()
+    kinds = {type(e).__name__ for e in events}
+    assert {"ServerPromptReused", "CheckpointChanged"} <= kinds
+    with Recorder(path, keyframe_every=500) as recorder:
+        for event in events:
+            if isinstance(event, ev.ServerLogLine):  # the server's timing lines
+                event = dataclasses.replace(event, text=re.sub(r" +\d+\.\d+( ms| tokens per second)", r" 0.00\1",
+                                                               event.text))
+            recorder.write(without_wall_times(event))
+    return path
+
+
+def test_server_slots_beside_the_grid(snap_compare, server_recording):
+    async def server_log(pilot) -> None:
+        await at_the_end(pilot)
+        for _ in range(5):  # the log's filter, from "all" to "server": the server's own lines
+            await pilot.press("f")
+        pilot.app.refresh_view()
+        await pilot.pause()
+
+    assert snap_compare(replay_app(server_recording), terminal_size=(160, 48), run_before=server_log)

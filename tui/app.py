@@ -15,7 +15,7 @@ from pathlib import Path
 from textual import on
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, VerticalScroll
 from textual.css.query import NoMatches
 from textual.events import Click
 from textual.widgets import Footer
@@ -31,6 +31,7 @@ from tui.event_log import EventLog
 from tui.grid import CellGrid
 from tui.inspector import CellInspector
 from tui.screens import HelpScreen, PromptScreen, SettingsScreen
+from tui.slots import SlotsPanel
 from tui.status import StatusLine
 from tui.text_panel import TextPanel
 
@@ -49,7 +50,7 @@ class KvscopeApp(App):
     COMMANDS = App.COMMANDS | {SequenceCommands}
     CSS = """
     #title { height: 1; background: $primary-darken-2; color: $text; padding: 0 1; }
-    #side { width: 48; }
+    #side { width: 48; scrollbar-size-vertical: 1; }
     #main { height: 2fr; }
     EventLog { height: 1fr; min-height: 8; }
     Screen.-narrow #side { width: 32; }
@@ -117,7 +118,9 @@ class KvscopeApp(App):
         yield TextPanel(id="title")
         with Horizontal(id="main"):
             yield CellGrid(id="grid")
-            with Vertical(id="side"):
+            # a server's slots first (when it runs, they are what a turn did); the rest scrolls with the mouse
+            with VerticalScroll(id="side", can_focus=False):
+                yield SlotsPanel(id="slots")
                 yield CellInspector(id="inspector")
                 yield DeviceBars(id="devices")
         yield EventLog(id="log")
@@ -211,6 +214,7 @@ class KvscopeApp(App):
         grid.show(self.watcher.frame(), self._lane_titles(), overlays, self._heat())
         self._draw_inspector(seen)
         self._view(DeviceBars).show_devices(mirror.devices)
+        self._view(SlotsPanel).show_slots(self.watcher.server, self.current_theme.dark)
         self._view(EventLog).add_events(new)
         self._view("#title", TextPanel).show(self._title())
         self.frames_drawn += 1

@@ -34,7 +34,14 @@ model (full-attention layers / sliding layers). With split streams (-np without 
 a stream of its own.
 
 [b]QUIRKs[/b]  llama.cpp behaviour that looks unintended is reproduced, and its events say so (a ! in the
-log): the dry run's SWA purge, the heads after a failed dry run, seq_div's shift sign.
+log): the dry run's SWA purge, the heads after a failed dry run, seq_div's shift sign, the server's
+needless checkpoint search.
+
+[b]Server slots[/b] (--workload server: llama-server's slots, slot i on sequence i) each slot's last prompt
+as a bar: [{reused}]█[/] served by the cache  [{lost}]▓[/] held but processed again  [{fresh}]░[/] new; its last turns:
+[{kept}]kept[/] prefix reused · [{restored}]restored[/] a checkpoint · [{forced}]forced[/] full re-processing · new (nothing kept);
+the checkpoints it holds (their token counts) and their host memory (a part of the CPU bar). The log's
+"server" filter (f) shows the server's own lines.
 
 [b]Keys[/b]  space start/pause · n one step · p prompt · arrows / mouse: cell · [ ] lane · tab: next
 sequence · w window overlay · a attention overlay · + - zoom · x rm · k keep · y copy · s shift the sequence
@@ -55,7 +62,9 @@ class HelpScreen(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         colours = " ".join(f"[{c}]{style.GLYPH_ONE}{i}[/]"
                            for i, c in enumerate(style.palette(self.app.current_theme.dark)))
-        text = HELP.format(empty=style.GLYPH_EMPTY, one=style.GLYPH_ONE, shared=style.GLYPH_SHARED,
+        part, outcome = style.PROMPT_PART_COLORS, style.OUTCOME_COLORS
+        text = HELP.format(reused=part["reused"], lost=part["lost"], fresh=part["new"], kept=outcome["kept"],
+                           restored=outcome["restored"], forced=outcome["forced"], empty=style.GLYPH_EMPTY, one=style.GLYPH_ONE, shared=style.GLYPH_SHARED,
                            head=style.HEAD_COLOR, quirk=style.QUIRK_COLOR, shades="".join(style.OCCUPANCY_GLYPHS[1:]), colours=colours)
         with VerticalScroll():
             yield Static(text)

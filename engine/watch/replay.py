@@ -56,6 +56,7 @@ from engine.arguments import int_arg
 from engine.errors import KvscopeError
 from engine.watch.frames import FrameSource
 from engine.watch.recording_reader import RecordingReader
+from engine.watch.server_slots import SERVER_EVENTS
 from engine.watch.watcher import Watcher
 
 KindsArg = str | type | Iterable[str | type] | None
@@ -242,14 +243,24 @@ class Replay:
         start = self._rebuild_start(target)
         if start >= 0:
             self._load_keyframe(parts, start)
+            self._server_before(parts, start + 1)
         self._apply(parts, start + 1, target)
         parts.frames = FrameSource(parts.mirror)  # tentative marks of the target event only (module docstring)
         self._apply(parts, target, target + 1)
         parts.frames.continue_from(old.frames)
         old.mirror, old.frames, old.history, old.recent = parts.mirror, parts.frames, parts.history, parts.recent
+        old.server = parts.server
         old.status, old.last_step, old.last_error = parts.status, parts.last_step, parts.last_error
         self.history_from = start + 1
         self.rebuilds += 1
+
+    def _server_before(self, parts: Watcher, stop: int) -> None:
+        """A server's slots as the events before `stop` left them: keyframes hold the cache, not the
+        server's tasks and checkpoints, so its (few) events are read from the start."""
+        kinds = self.reader.kinds()
+        for i in range(min(stop, len(kinds))):
+            if kinds[i] in _SERVER_KIND_NAMES:
+                parts.server.apply(self.reader.event(i))
 
     def _load_keyframe(self, parts: Watcher, keyframe: int) -> None:
         """The keyframe's state into fresh watcher parts, and what the events before it left in a watcher."""
@@ -315,6 +326,9 @@ def _kind_names(kinds: KindsArg) -> frozenset[str] | None:
                                f"KShiftApplied, ...) or pass the class")
         names.update(c.__name__ for c in _event_classes() if issubclass(c, cls))
     return frozenset(names)
+
+
+_SERVER_KIND_NAMES = frozenset(kind.__name__ for kind in SERVER_EVENTS)
 
 
 def _event_test(seq_id: int | None, cache: str | None, quirk: bool | None,

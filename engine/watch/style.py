@@ -38,6 +38,12 @@ EMPTY_FILL = {True: "#2A2A2A", False: "#EEEEEE"}  # an empty cell drawn as a fil
 MEMORY_PART_COLORS = {"weights": "#0072B2", "kv": "#E69F00", "compute": "#999999",  # device memory bars
                       "checkpoints": "#CC79A7"}
 
+# A server's turns: the prompt's tokens its slot's cache served, those it held but recomputed (a forced
+# re-processing, a checkpoint from before them), and the new ones; and what the server decided per turn.
+PROMPT_PART_COLORS = {"reused": "#009E73", "lost": "#D55E00", "new": "#999999"}
+OUTCOME_COLORS = {"new": "#999999", "kept": "#009E73", "restored": "#56B4E9", "forced": "#D55E00",
+                  "error": "#FF5F5F", "": "#999999"}
+
 GLYPH_EMPTY = "·"
 GLYPH_ONE = "█"
 GLYPH_SHARED = "▒"

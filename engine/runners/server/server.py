@@ -17,6 +17,7 @@ here: one per request and one per update-loop iteration that decodes (its NEXT_R
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -81,6 +82,7 @@ class ServerSim:
         self.finished: list[ev.ServerTaskFinished] = []
         self._next_task_id = 0
         self.sampled_last_step = 0
+        self._decisions: dict[int, ev.ServerPromptReused] = {}  # each slot's last, for a watcher that starts late
         self._startup_lines(n_ctx_slot)
 
     def _startup_lines(self, n_ctx_slot: int) -> None:
@@ -125,6 +127,9 @@ class ServerSim:
             if task is not None:
                 events.append(ev.ServerTaskStarted(slot=slot.id, task=task.id, selected_by="", similarity=-1.0,
                                                    n_prompt=len(task.tokens), label=task.label))
+                decided = self._decisions.get(slot.id)
+                if decided is not None and decided.task == task.id:
+                    events.append(dataclasses.replace(decided))  # a copy: the state gets its own stamp
             for cp in slot.checkpoints:
                 events.append(ev.CheckpointChanged(slot=slot.id, task=cp.id_task, action="created", pos_min=cp.pos_min,
                                                    pos_max=cp.pos_max, n_tokens=cp.n_tokens, n_bytes=len(cp.data),
@@ -290,10 +295,12 @@ class ServerSim:
             log.slot("warn", "operator()", slot.id, task.id, f"n_past was set to {n_past}")
         slot.n_past_reused = n_past
         del slot.tokens[n_past:]  # the cells go with the first batch's seq_rm
-        self.ctx.bus.publish(ev.ServerPromptReused(
+        decided = ev.ServerPromptReused(
             slot=slot.id, task=task.id, n_prompt=n_prompt, n_kept=len(kept), n_common=n_common, n_past=n_past,
             n_cache_reused=n_moved, forced_full=forced, why=why, pos_min=pos_min, pos_min_thold=pos_min_thold,
-            restored_n_tokens=restored, quirk=quirk))
+            restored_n_tokens=restored, quirk=quirk)
+        self._decisions[slot.id] = decided
+        self.ctx.bus.publish(decided)
         return True
 
     def _reuse_chunks(self, slot: Slot, n_past: int) -> tuple[int, int]:

@@ -1,0 +1,86 @@
+"""A simulated llama-server's slots beside the grid: what each slot runs, how much of its last prompt the
+cache served (reused, held but recomputed, new), the last turns' outcomes and the checkpoints it holds."""
+from __future__ import annotations
+
+from rich.text import Text
+
+from engine.watch import style
+from engine.watch.server_slots import ServerSlots, SlotView, TurnView
+from tui.devices import mib
+from tui.text_panel import TextPanel
+
+BAR_WIDTH = 20  # at most; a narrow side column gets a shorter bar
+SHOWN_TURNS = 6
+SHOWN_CHECKPOINTS = 4
+
+
+class SlotsPanel(TextPanel):
+    DEFAULT_CSS = """
+    SlotsPanel { height: auto; max-height: 16; border: round $primary-darken-2; padding: 0 1; display: none; }
+    """
+
+    def show_slots(self, server: ServerSlots, dark: bool) -> None:
+        self.display = server.active
+        if not server.active:
+            return
+        self.border_title = "server slots"
+        text = Text()
+        bar = max(6, min(BAR_WIDTH, self.content_region.width - 22))
+        for n, view in enumerate(sorted(server.slots.values(), key=lambda v: v.slot)):
+            if n:
+                text.append("\n")
+            _slot_lines(text, view, dark, bar)
+        totals = server.totals()
+        if totals["tasks"]:
+            share = 100 * totals["processed"] / max(1, totals["prompt"])
+            text.append(f"\n{totals['tasks']} turns: {totals['processed']} of {totals['prompt']} prompt tokens "
+                        f"processed ({share:.0f}%) · {totals['forced']} forced · {totals['restored']} restored",
+                        style="dim")
+        self.show(text)
+
+
+def _slot_lines(text: Text, view: SlotView, dark: bool, bar: int) -> None:
+    color = style.seq_color(view.slot, dark)
+    text.append(f"slot {view.slot}", style=f"bold {color}")
+    turn = view.last
+    if view.current is not None:
+        text.append(f" · {view.current.label or f'task {view.current.task}'}", style=color)
+    else:
+        text.append(f" · idle, keeps {view.n_kept} tokens", style="dim")
+    if turn is not None and turn.outcome:
+        text.append("\n ")
+        _bar(text, turn, bar)
+        text.append(f" {turn.n_past} reused", style=style.PROMPT_PART_COLORS["reused"])
+        if turn.lost:
+            text.append(f" {turn.lost} lost", style=style.PROMPT_PART_COLORS["lost"])
+    if view.turns:
+        text.append("\n ")
+        shown, room = [], bar + 20
+        for t in reversed(list(view.turns)[-SHOWN_TURNS:]):  # the latest that fit on the line
+            room -= len(t.outcome) + 1 + bool(t.quirk)
+            if room < 0:
+                break
+            shown.append(t)
+        for t in reversed(shown):
+            text.append(f"▏{t.outcome}", style=style.OUTCOME_COLORS.get(t.outcome, ""))
+            if t.quirk:
+                text.append(style.GLYPH_QUIRK, style=style.QUIRK_COLOR)
+    if view.checkpoints:
+        head = f"\n checkpoints {len(view.checkpoints)} · {mib(view.checkpoint_bytes)} "
+        marks, room = [], bar + 22 - len(head)
+        for n in sorted(view.checkpoints, reverse=True)[:SHOWN_CHECKPOINTS]:  # the latest that fit
+            room -= len(str(n)) + 2
+            if room < 0:
+                break
+            marks.insert(0, f"▏{n}")
+        text.append(head + " ".join(marks), style="dim")
+
+
+def _bar(text: Text, turn: TurnView, width: int) -> None:
+    """The prompt as a bar: served by the cache, held but recomputed, new."""
+    n = max(turn.n_prompt, 1)
+    reused = round(width * turn.n_past / n)
+    lost = min(width - reused, round(width * turn.lost / n))
+    text.append("█" * reused, style=style.PROMPT_PART_COLORS["reused"])
+    text.append("▓" * lost, style=style.PROMPT_PART_COLORS["lost"])
+    text.append("░" * (width - reused - lost), style=style.PROMPT_PART_COLORS["new"])
