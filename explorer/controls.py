@@ -12,7 +12,7 @@ import ipywidgets as widgets
 from engine.watch.describe import free_seq
 from explorer.view import row
 
-WORKLOADS = ("idle", "generate", "parallel")
+WORKLOADS = ("idle", "generate", "parallel", "server")
 
 
 def button(description: str, tooltip: str, width: str = "auto", style: str = "") -> widgets.Button:

@@ -31,6 +31,7 @@ from explorer.controls import SessionControls
 from explorer.event_log import EventLog
 from explorer.grid import CellGrid
 from explorer.memory import MemoryBars
+from explorer.server import ServerView
 from explorer.settings import SettingsPanel
 from explorer.timeline import Timeline
 from explorer.view import Shown, choose, observe_value, replace_options, row
@@ -80,7 +81,8 @@ class Explorer(Shown):
         self.window = SwaWindow(watcher, dark=dark)
         self.bars = MemoryBars(watcher)
         self.log = EventLog(watcher, dark=dark)
-        self.views = [self.grid, self.window, self.bars, self.log]
+        self.server = ServerView(watcher, dark=dark)
+        self.views = [self.grid, self.window, self.bars, self.log, self.server]
         self.grid.on_cell_click = self._cell_clicked
         self.header, self.status = widgets.HTML(), widgets.HTML()
         self._make_selection(attention)
@@ -156,7 +158,8 @@ class Explorer(Shown):
             accordion.set_title(0, "settings (rebuild the context; the estimate shows first)")
             accordion.selected_index = None
             parts.append(accordion)
-        parts += [selection, main]
+        self.server.widget.layout.display = "none"  # until the source runs a server
+        parts += [selection, main, self.server.widget]
         if self.timeline is not None:
             parts.append(self.timeline.widget)
         parts.append(self.log.widget)
@@ -181,6 +184,7 @@ class Explorer(Shown):
                 self.timeline.follow_live()
         self._offer_seqs(watcher)
         self._draw_status(watcher)
+        self.server.widget.layout.display = None if watcher.server.active else "none"
 
     def _read_steps(self, watcher) -> None:
         new = watcher.events_since(self._events_seen)
@@ -236,8 +240,10 @@ class Explorer(Shown):
 
     # ---- export -------------------------------------------------------------------------------------
     def figures(self) -> list:
-        """The grids, the window and the memory bars (what export_html and export_png write)."""
-        return [self.grid.figure, self.window.figure, self.bars.figure]
+        """The grids, the window and the memory bars, and a server's turns when it runs one (what
+        export_html and export_png write)."""
+        shown = [self.grid.figure, self.window.figure, self.bars.figure]
+        return shown + ([self.server.figure] if self.server.server.active else [])
 
     def _export(self, kind: str) -> None:
         tell = self.controls.tell if self.controls is not None else None

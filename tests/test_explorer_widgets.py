@@ -305,3 +305,31 @@ def test_prompt_state_and_clear_from_the_controls(explorer, tmp_path):
     x.controls.seq_only.value = False
     x.controls.load.click()
     assert "load_state failed" in x.controls.message.value
+
+
+def test_the_server_view_shows_each_turn_and_slot():
+    from engine.runners.session import Session
+    from engine.runners.workloads import WorkloadSpec
+    from explorer import Explorer, ServerView
+
+    spec = WorkloadSpec(kind="server", n_clients=2, sampler={"temperature": 0.0})
+    with Session("demo", settings=dict(n_ctx=2048, n_seq_max=2, n_batch=64, n_ubatch=64), workload=spec,
+                 threaded=False) as session:
+        view = ServerView.of(session, widget=False)
+        assert not view.server.active and not view.figure.data[0].x
+        session.step(400).result()
+        view.update()
+        totals = view.server.totals()
+        reused, lost, new = (list(trace.y) for trace in view.figure.data)
+        assert len(reused) == totals["tasks"] == 8
+        assert sum(reused) == totals["reused"] and sum(reused) + sum(lost) + sum(new) == totals["prompt"]
+        texts = [a.text for a in view.figure.layout.annotations]
+        assert any(t.startswith("forced") for t in texts) and any(t.startswith("restored") for t in texts)
+        assert any("!" in t for t in texts)  # the QUIRK of a needless checkpoint search
+        assert "slot 0" in view._slots_text(view.server) and "MiB host memory" in view._slots_text(view.server)
+        explorer = Explorer(session, start=False, history=False)
+        try:
+            assert explorer.server.widget.layout.display is None  # shown: the session runs a server
+            assert explorer.server.figure in explorer.figures()
+        finally:
+            explorer.close()

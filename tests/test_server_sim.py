@@ -160,10 +160,10 @@ def test_a_checkpoint_at_a_user_message_saves_a_turn_that_diverges_outside_the_w
     np.testing.assert_allclose(served, fresh_logprobs(gemma3_16, edited), atol=BATCHING_TOLERANCE)
 
 
-def fresh_logprobs(model, prompt: list[int]) -> np.ndarray:
+def fresh_logprobs(model, prompt: list[int], *, swa_full: bool = False) -> np.ndarray:
     """The next-token log-probabilities after `prompt` in a new context (same batch sizes)."""
     ctx = engine.Context(model, n_ctx=1024, n_seq_max=2, kv_unified=False, n_batch=32, n_ubatch=32,
-                         publish_logits=True)
+                         publish_logits=True, swa_full=swa_full)
     sub = ctx.bus.subscribe(kinds=(ev.OutputLogProbs,))
     for start in range(0, len(prompt), 32):
         assert ctx.decode(engine.Batch.for_sequence(prompt[start:start + 32], 0, start)) == 0
@@ -209,3 +209,35 @@ def test_bad_requests_are_refused_and_leave_the_server_as_it_was(gemma3_16):
     done = sim.run()[-1]
     assert done.stop == "error" and "exceeds the available context size (512 tokens)" in done.error
     assert sim.ctx.memory.seq_pos_max(0) == -1 and not sim.slots[0].tokens
+
+
+def test_cache_reuse_moves_a_chunk_that_the_new_prompt_repeats_further_on(gemma3_16):
+    """--cache-reuse on a cache that can shift (--swa-full): the slot held A B C, the new prompt is A C D.
+    C is found after the common prefix A, moved down over B (seq_rm of B, seq_add of C), and reused."""
+    rng = random.Random(3)
+    a, b, c = ([rng.randrange(3, 500) for _ in range(n)] for n in (40, 30, 60))
+    sim = server(gemma3_16, swa_full=True, publish_logits=True, cache_reuse=16)
+    sub = sim.ctx.bus.subscribe(kinds=(ev.ServerPromptReused, ev.OutputLogProbs, ev.CellsShifted))
+    sim.submit(Task(a + b + c, n_predict=1, id_slot=0))
+    sim.run()
+    prompt = a + c + [rng.randrange(3, 500) for _ in range(5)]
+    sim.submit(Task(prompt, n_predict=1, id_slot=0))
+    done = sim.run()[-1]
+    events = sub.drain()
+    reused = [e for e in events if isinstance(e, ev.ServerPromptReused)][-1]
+    assert (reused.n_cache_reused, reused.n_past) == (60, 100)
+    assert (done.n_cached, done.n_processed) == (100, 5)
+    assert any(e.amount == -30 for e in events if isinstance(e, ev.CellsShifted))  # C moved down over B
+    assert any("reusing chunk with size 60, shifting KV cache [70, 130) -> [40, 100)" in line for line in sim.log.lines)
+    # The moved chunk's keys and values were computed after B: this turn's distribution is not its prompt's
+    # processed anew (by far more than batching rounding), and the reuse event says so as a QUIRK.
+    served = [e for e in events if isinstance(e, ev.OutputLogProbs) and e.positions[-1:] == (len(prompt) - 1,)]
+    differs = np.abs(served[0].logprobs[-1] - fresh_logprobs(gemma3_16, prompt, swa_full=True)).max()
+    assert differs > 50 * BATCHING_TOLERANCE, differs
+    assert reused.quirk.startswith("llama.cpp QUIRK (--cache-reuse") and "60 reused tokens were moved" in reused.quirk
+
+
+def test_cache_reuse_is_refused_where_the_cache_cannot_shift(gemma3_16):
+    sim = server(gemma3_16, cache_reuse=16)
+    assert sim.cache_reuse == 0
+    assert any("cache_reuse is not supported by this context, it will be disabled" in line for line in sim.log.lines)

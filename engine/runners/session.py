@@ -220,8 +220,8 @@ class Session:
                             f"{text[:40]!r}, n_predict={n_predict}")
 
     def set_workload(self, workload: str | WorkloadSpec, **options) -> Future:
-        """Replace the workload (its sequences stop; the cells stay, except that a parallel workload starts
-        from an empty cache, since its clients own every sequence)."""
+        """Replace the workload (its sequences stop; the cells stay, except that a parallel or server workload
+        starts from an empty cache, since its clients or slots own their sequences)."""
         spec = workload if isinstance(workload, WorkloadSpec) else WorkloadSpec(kind=workload, **options)
         return self._submit("set_workload", lambda: self._do_set_workload(spec), spec.kind)
 

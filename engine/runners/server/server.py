@@ -35,6 +35,10 @@ QUIRK_NEEDLESS_SEARCH = (
     "llama.cpp QUIRK (tools/server/server-context.cpp, `pos_min >= pos_min_thold`): the cache still holds every "
     "position from {pos_min} on, and the window of the first new token needs those from {needed}, yet the server "
     "went to its checkpoints ({outcome}): {lost} tokens of the common prefix recomputed")
+QUIRK_MOVED_CHUNKS = (
+    "llama.cpp QUIRK (--cache-reuse, tools/server/server-context.cpp): {moved} reused tokens were moved down "
+    "from where they were computed, after tokens this prompt no longer has; their keys and values still carry "
+    "those, so this turn's logits are not those of its prompt processed anew")
 FORCED_FULL = ("forcing full prompt re-processing due to lack of cache data (likely due to SWA or hybrid/recurrent "
                "memory, see https://github.com/ggml-org/llama.cpp/pull/13194#issuecomment-2868343055)")
 CONTEXT_EXCEEDED = "Context size has been exceeded."
@@ -287,6 +291,8 @@ class ServerSim:
             quirk = QUIRK_NEEDLESS_SEARCH.format(pos_min=pos_min, needed=needed, lost=n_common - n_past,
                                                  outcome="a full re-processing forced" if forced else
                                                  f"the checkpoint of n_tokens = {restored} restored")
+        if n_moved:
+            quirk = "; ".join(q for q in (quirk, QUIRK_MOVED_CHUNKS.format(moved=n_moved)) if q)
         self.checkpoints.erase_invalidated(slot, pos_next, self.n_swa)
         if n_past == n_prompt and n_past > 0:
             log.slot("warn", "operator()", slot.id, task.id, f"need to evaluate at least 1 token for each active slot "
