@@ -241,3 +241,45 @@ def test_cache_reuse_is_refused_where_the_cache_cannot_shift(gemma3_16):
     sim = server(gemma3_16, cache_reuse=16)
     assert sim.cache_reuse == 0
     assert any("cache_reuse is not supported by this context, it will be disabled" in line for line in sim.log.lines)
+
+
+def test_a_task_takes_the_most_similar_idle_slot_else_the_least_recently_used(gemma3_16):
+    rng = random.Random(7)
+    a, b = [rng.randrange(3, 500) for _ in range(60)], [rng.randrange(3, 500) for _ in range(60)]
+    sim = server(gemma3_16)
+    first = sim.submit(Task(a, n_predict=1))  # both slots empty, never used: the last one wins the tie
+    sim.run()
+    second = sim.submit(Task(b, n_predict=1))
+    sim.run()
+    assert [d.slot for d in sim.finished] == [1, 0]
+    lines = "\n".join(sim.log.lines)
+    assert "slot get_availabl: id  1 | task -1 | selected slot by LRU, t_last = -1" in lines
+    sim.submit(Task(a[:50] + b[:20], n_predict=1))  # shares 50 of 70 with slot 1's tokens, nothing with slot 0's
+    sim.run()
+    assert sim.finished[-1].slot == 1 and sim.finished[-1].n_cached == 50
+    assert "selected slot by LCP similarity, f_sim_best = 0.714 (> 0.100 thold), f_keep = 0.833" in "\n".join(sim.log.lines)
+    sim.submit(Task([7] * 30, n_predict=1))  # like neither: the least recently used, slot 0
+    sim.run()
+    assert sim.finished[-1].slot == 0
+    assert (first.id, second.id) == (0, 4)  # as llama-server counts: the first task took 3 update-loop iterations
+
+
+def test_a_full_slot_shifts_its_context_and_goes_on(gemma3_16):
+    """--context-shift on a cache that can shift: a slot whose next token would reach its 512 positions
+    drops half of what follows --keep (llama-server's rule: n_keep + 1 for BOS, n_discard = n_left / 2)."""
+    rng = random.Random(9)
+    sim = server(gemma3_16, swa_full=True, context_shift=True)
+    sub = sim.ctx.bus.subscribe(kinds=(ev.CellsShifted, ev.CellsRemoved))
+    prompt = [rng.randrange(3, 500) for _ in range(500)]
+    sim.submit(Task(prompt, n_predict=20, id_slot=0, n_keep=10))
+    done = sim.run()[-1]
+    assert done.stop == "limit" and done.n_generated == 20
+    shift = "slot update_slots: id  0 | task 0 | slot context shift, n_keep = 11, n_left = 500, n_discard = 250"
+    assert any(line.endswith(shift[shift.index("slot context"):]) and "W slot" in line for line in sim.log.lines)
+    events = sub.drain()
+    assert any(isinstance(e, ev.CellsRemoved) and (e.p0, e.p1) == (11, 261) and e.cause == "context shift" for e in events)
+    assert any(isinstance(e, ev.CellsShifted) and e.amount == -250 for e in events)
+    assert sim.ctx.memory.seq_pos_max(0) + 1 == len(sim.slots[0].tokens) == 500 + 19 - 250
+    without = server(gemma3_16, swa_full=True)
+    without.submit(Task(prompt, n_predict=20, id_slot=0))
+    assert without.run()[-1].stop == "context"  # no shift: the slot stops when full
