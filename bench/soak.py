@@ -76,9 +76,11 @@ def python_arenas_mib() -> float | None:
     return int(count.group(1).replace(",", "")) * int(size.group(1).replace(",", "")) / 2**20
 
 
-def rss_mib() -> float:
+def rss_mib(kind: str = "VmRSS") -> float:
+    """Resident memory from /proc/self/status: VmRSS (all), RssAnon (heaps, arenas, stacks) or RssFile
+    (mapped files: the model, libraries), in MiB."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{kind}:"):
             return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -160,7 +162,9 @@ def main() -> int:
                 arenas = python_arenas_mib()
                 parts.insert(0, f"python blocks {sys.getallocatedblocks()}"
                              + (f" in {arenas:.0f} MiB of arenas" if arenas is not None else ""))
-                print(f"{elapsed / 60:5.1f} min  rss {rss[-1][1]:7.1f} MiB  step {session.status().step:7d}  "
+                kept = getattr(getattr(session._workload, "runner", None), "results", ())
+                print(f"{elapsed / 60:5.1f} min  rss {rss[-1][1]:7.1f} MiB (anon {rss_mib('RssAnon'):.1f}, files "
+                      f"{rss_mib('RssFile'):.1f})  step {session.status().step:7d}  requests kept {len(kept)}  "
                       + " · ".join(parts), flush=True)
             if elapsed >= next_check:
                 next_check += 300.0

@@ -175,8 +175,7 @@ class ChatRunner:
         self.results: list[TurnResult] = []
         self._turns: dict[int, tuple[_Progress, Turn]] = {}
         self._reuse: dict[int, ev.ServerPromptReused] = {}
-        self._seen = len(sim.finished)
-        self._sub = sim.ctx.bus.subscribe(kinds=(ev.ServerPromptReused,))
+        self._sub = sim.ctx.bus.subscribe(kinds=(ev.ServerPromptReused, ev.ServerTaskFinished), maxsize=1 << 20)
 
     def add(self, conversation: Conversation) -> None:
         if conversation.slot >= self.sim.params.n_slots:
@@ -195,10 +194,10 @@ class ChatRunner:
                 self._send(p)
         n = self.sim.step()
         for e in self._sub.drain():
-            self._reuse[e.task] = e
-        for finished in self.sim.finished[self._seen:]:
-            self._answered(finished)
-        self._seen = len(self.sim.finished)
+            if isinstance(e, ev.ServerPromptReused):
+                self._reuse[e.task] = e
+            elif e.task in self._turns:  # one of this runner's turns (a task given to the server by hand is not)
+                self._answered(e)
         return n
 
     def run(self, max_steps: int = 1_000_000) -> list[TurnResult]:

@@ -16,7 +16,7 @@ from typing import Callable
 from engine import events as ev
 
 LEVEL_LETTERS = {"info": "I", "warn": "W", "error": "E", "debug": "D"}
-KEPT_LINES = 100_000  # a long simulation keeps its latest lines; every line is also an event
+KEPT_LINES = 20_000  # a long simulation keeps its latest lines; every line is also an event
 
 
 def stamp(seconds: float) -> str:

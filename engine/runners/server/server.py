@@ -17,6 +17,7 @@ here: one per request and one per update-loop iteration that decodes (its NEXT_R
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ QUIRK_MOVED_CHUNKS = (
 FORCED_FULL = ("forcing full prompt re-processing due to lack of cache data (likely due to SWA or hybrid/recurrent "
                "memory, see https://github.com/ggml-org/llama.cpp/pull/13194#issuecomment-2868343055)")
 CONTEXT_EXCEEDED = "Context size has been exceeded."
+KEPT_FINISHED = 1000  # finished tasks a server keeps (a session may run one for hours); every one is an event
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,8 @@ class ServerSim:
         self.cache_reuse = params.cache_reuse if self.can_shift else 0
         self.checkpoints = CheckpointStore(ctx, self.log, params.ctx_checkpoints, params.checkpoint_min_step)
         self.waiting: list[Task] = []
-        self.finished: list[ev.ServerTaskFinished] = []
+        self.finished: collections.deque[ev.ServerTaskFinished] = collections.deque(maxlen=KEPT_FINISHED)
+        self.n_finished = 0
         self._next_task_id = 0
         self.sampled_last_step = 0
         self._decisions: dict[int, ev.ServerPromptReused] = {}  # each slot's last, for a watcher that starts late
@@ -164,14 +167,15 @@ class ServerSim:
         return bool(self.waiting) or any(s.is_processing for s in self.slots)
 
     def run(self, max_steps: int = 1_000_000) -> list[ev.ServerTaskFinished]:
-        """Step until every task is done; returns the tasks finished meanwhile."""
-        done = len(self.finished)
+        """Step until every task is done; returns the tasks finished meanwhile (the latest KEPT_FINISHED)."""
+        before = self.n_finished
         for _ in range(max_steps):
             if not self.busy:
                 self.step()  # tells "all slots are idle", as the server does before it waits
                 break
             self.step()
-        return self.finished[done:]
+        new = min(self.n_finished - before, len(self.finished))
+        return list(self.finished)[len(self.finished) - new:]
 
     def _launch_waiting(self) -> None:
         still = []
@@ -469,6 +473,7 @@ class ServerSim:
             n_processed=slot.n_prompt_processed, n_generated=len(slot.generated), stop=stop,
             text=self.tokenizer.decode(slot.generated), n_kept=len(slot.tokens), label=task.label, error=error)
         self.finished.append(done)
+        self.n_finished += 1
         self.ctx.bus.publish(done)
         slot.t_last_used = now_us()
         slot.state, slot.i_batch = "idle", -1
