@@ -283,3 +283,18 @@ def test_a_full_slot_shifts_its_context_and_goes_on(gemma3_16):
     without = server(gemma3_16, swa_full=True)
     without.submit(Task(prompt, n_predict=20, id_slot=0))
     assert without.run()[-1].stop == "context"  # no shift: the slot stops when full
+
+
+def test_a_prompt_the_slot_holds_whole_still_evaluates_its_last_token(gemma3_16):
+    """The same prompt again (with --swa-full, so the cache serves all of it): llama-server evaluates at
+    least one token for the logits, and says so."""
+    prompt = [5 + i % 400 for i in range(100)]
+    sim = server(gemma3_16, swa_full=True)
+    sim.submit(Task(prompt + [7], n_predict=1, id_slot=0))
+    sim.run()
+    sim.submit(Task(prompt, n_predict=1, id_slot=0))
+    done = sim.run()[-1]
+    assert (done.n_cached, done.n_processed) == (99, 1)
+    warned = [line.split("| ", 2)[-1] for line in sim.log.lines if " W slot" in line]
+    assert warned == ["need to evaluate at least 1 token for each active slot (n_past = 100, task.n_tokens() = 100)",
+                      "n_past was set to 99"]
