@@ -19,7 +19,15 @@ class SlotsPanel(TextPanel):
     SlotsPanel { height: auto; max-height: 16; border: round $primary-darken-2; padding: 0 1; display: none; }
     """
 
+    _drawn_from: tuple[ServerSlots, bool] | None = None
+
+    def on_resize(self) -> None:
+        super().on_resize()
+        if self._drawn_from is not None:  # the bars and marks fit the width: draw them for the new one
+            self.show_slots(*self._drawn_from)
+
     def show_slots(self, server: ServerSlots, dark: bool) -> None:
+        self._drawn_from = (server, dark)
         self.display = server.active
         if not server.active:
             return
@@ -53,6 +61,8 @@ def _slot_lines(text: Text, view: SlotView, dark: bool, bar: int) -> None:
         text.append(f" {turn.n_past} reused", style=style.PROMPT_PART_COLORS["reused"])
         if turn.lost:
             text.append(f" {turn.lost} lost", style=style.PROMPT_PART_COLORS["lost"])
+        if turn.decision():
+            text.append(f"\n {turn.decision()}", style=style.OUTCOME_COLORS[turn.outcome])
     if view.turns:
         text.append("\n ")
         shown, room = [], bar + 20

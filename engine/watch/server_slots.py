@@ -27,6 +27,9 @@ class TurnView:
     outcome: str = ""  # one of OUTCOMES, once the server decided
     why: str = ""
     quirk: str = ""
+    pos_min: int = -1  # what the cache held from, and what the window needed from, when the server looked
+    pos_min_thold: int = -1
+    restored_n_tokens: int = -1
     n_processed: int = 0
     n_generated: int = 0
     stop: str = ""  # "" while it runs
@@ -39,6 +42,14 @@ class TurnView:
     def lost(self) -> int:
         """Tokens the slot held in common with the prompt that were processed again."""
         return max(0, self.n_common - self.n_past)
+
+    def decision(self) -> str:
+        """Why the cache served what it did, in a few words (the TUI's slot panel)."""
+        if self.outcome == "restored":
+            return f"checkpoint at {self.restored_n_tokens} restored"
+        if self.outcome == "forced":
+            return f"cache from pos {self.pos_min}, window needs {self.pos_min_thold}: no checkpoint"
+        return ""
 
     def describe(self) -> str:
         text = {"new": "nothing kept yet", "kept": "prefix reused", "restored": "checkpoint restored",
@@ -100,6 +111,8 @@ class ServerSlots:
                 turn.outcome = "new" if event.n_kept == 0 else "forced" if event.forced_full else \
                     "restored" if event.restored_n_tokens >= 0 else "kept"
                 turn.why, turn.quirk = event.why, event.quirk
+                turn.pos_min, turn.pos_min_thold = event.pos_min, event.pos_min_thold
+                turn.restored_n_tokens = event.restored_n_tokens
         elif isinstance(event, ev.CheckpointChanged):
             view = self.slot(event.slot)
             if event.action == "created":
