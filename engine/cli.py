@@ -247,6 +247,11 @@ def _add_server_policy_flags(p: argparse.ArgumentParser) -> None:
                    metavar="N", help="context checkpoints per slot (0: none)")
     p.add_argument("-cms", "--checkpoint-min-step", type=int, default=8192, metavar="N",
                    help="fewest tokens between two checkpoints of a prompt's user messages")
+    p.add_argument("-cram", "--cache-ram", type=int, default=8192, metavar="MiB",
+                   help="host memory for the prompt cache, where idle slots' states are saved and loaded from "
+                        "(-1: no limit, 0: no prompt cache)")
+    p.add_argument("--no-cache-idle-slots", dest="cache_idle_slots", action="store_false",
+                   help="do not save idle slots to the prompt cache when a task starts")
 
 
 PARALLEL_HELP = "N clients answering a stream of requests with continuous batching (llama.cpp's parallel example)"
@@ -551,6 +556,7 @@ def cmd_server_sim(args: argparse.Namespace) -> int:
     params = ServerParams(n_slots=args.parallel, slot_prompt_similarity=args.slot_prompt_similarity,
                           cache_reuse=args.cache_reuse, ctx_checkpoints=args.ctx_checkpoints,
                           checkpoint_min_step=args.checkpoint_min_step, context_shift=args.context_shift,
+                          cache_ram_mib=args.cache_ram, cache_idle_slots=args.cache_idle_slots,
                           sampler=_sampler_params(args))
     settings = _checked_context_kwargs(args, args.parallel)
     model, _ = _load_model(args)
@@ -688,6 +694,8 @@ def _served_workload(args: argparse.Namespace):
         if args.sequences < 0:
             raise KvscopeError(f"--sequences must be >= 0, got {args.sequences}")
         check_system_prompt(system_prompt, args.pps)
+    if args.cache_ram < -1:
+        raise KvscopeError(f"--cache-ram must be >= -1 (-1: no limit, 0: no prompt cache), got {args.cache_ram}")
     if args.workload == "server" and args.chat:
         from engine.runners.server.conversations import load_script
 
@@ -697,7 +705,8 @@ def _served_workload(args: argparse.Namespace):
                         system_prompt=system_prompt, share_system_prompt=args.pps, context_shift=args.context_shift,
                         n_keep=args.keep, n_ctx_slot=args.slot_ctx, sampler=_sampler_params(args), chat=args.chat or "",
                         slot_prompt_similarity=args.slot_prompt_similarity, cache_reuse=args.cache_reuse,
-                        ctx_checkpoints=args.ctx_checkpoints, checkpoint_min_step=args.checkpoint_min_step)
+                        ctx_checkpoints=args.ctx_checkpoints, checkpoint_min_step=args.checkpoint_min_step,
+                        cache_ram_mib=args.cache_ram, cache_idle_slots=args.cache_idle_slots)
 
 
 def _print_serve_banner(server, session) -> None:

@@ -251,6 +251,7 @@ class DeviceBytes:
     kv: int
     compute: int
     checkpoints: int = 0  # a server simulation's context checkpoints (host memory)
+    prompt_cache: int = 0  # and its prompt cache (--cache-ram)
 
 
 @dataclass(frozen=True, eq=False)
@@ -420,6 +421,16 @@ class CheckpointChanged(Event):
     n_bytes: int
     why: str = ""
     n_held: int = 0  # the slot's checkpoints after this
+
+
+@dataclass(frozen=True, eq=False)
+class ServerSlotChanged(Event):
+    """What a slot keeps changed outside a task: cleared (after its state was saved to the prompt cache with
+    one buffer for all sequences, after a failed task) or cut by a command on its sequence."""
+
+    slot: int
+    n_kept: int
+    why: str
 
 
 @dataclass(frozen=True, eq=False)

@@ -10,7 +10,8 @@ from engine.watch.device_mirror import PARTS, DeviceMirror
 from engine.watch.watcher import Watcher
 from explorer.view import WatcherView
 
-PART_NAMES = {"weights": "weights", "kv": "K/V", "compute": "compute", "checkpoints": "checkpoints"}
+PART_NAMES = {"weights": "weights", "kv": "K/V", "compute": "compute", "checkpoints": "checkpoints",
+              "prompt cache": "prompt cache"}
 FREE_COLOR = "#E8E8E8"
 SIDE_WIDTH = 440  # pixels: the memory bars and the window sit beside the grid in the explorer
 

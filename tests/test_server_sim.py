@@ -17,14 +17,12 @@ from engine.errors import KvscopeError
 from engine.runners.server import ServerLog, ServerParams, ServerSim, Task, without_stamp
 
 LLAMA_SERVER_LOG = Path(__file__).parent / "data" / "llama-server-gemma3-swa-chat.log"
-# Lines of that log kvscope does not print: the HTTP side, the host-memory prompt cache (--cache-ram, not
-# simulated), the sampler's settings, a task's JSON, graph reuse, and the queue's bookkeeping.
-NOT_SIMULATED = ("init_listene", "local path", "loading model", "prompt cache", "--cache-ram", "pull/16391",
-                 "saving idle slot", "prompt_save", "__TEST_TAG", "srv        update:", "srv          load:",
-                 "srv         alloc:", "updating prompt cache", "prompt cache update took", "server_strea", "eval_llama_c",
-                 "sampler chain", "sampler params", "launching slot", "graphs reused", "posting NEXT_RESPONSE",
-                 "decline task", "no need to cancel", "srv          init:", "llama_server", "n_batch (effective)",
-                 "cleaning up before exit", "model loaded", "listening on")
+# Lines of that log kvscope does not print: the HTTP side, the sampler's settings, a task's JSON, graph reuse,
+# and the queue's bookkeeping.
+NOT_SIMULATED = ("init_listene", "local path", "loading model", "threads for HTTP server", "server_strea",
+                 "eval_llama_c", "sampler chain", "sampler params", "launching slot", "graphs reused",
+                 "posting NEXT_RESPONSE", "decline task", "no need to cancel", "chat template", "preserve_reasoning",
+                 "llama_server", "n_batch (effective)", "cleaning up before exit", "model loaded", "listening on")
 
 
 # Log-probabilities of one prompt decoded in other batches differ by float32 rounding (sums in another
@@ -76,6 +74,7 @@ def comparable(lines) -> list[str]:
         line = re.sub(r"time = +[\d.]+ ms / +(\d+) tokens.*", r"time = T ms / \1 tokens", line)
         line = re.sub(r"took [\d.]+ ms", "took T ms", line)
         line = re.sub(r"next token: +\d+ '.*'", "next token: X", line)
+        line = re.sub(r"prompt 0x[0-9a-f]+:", "prompt P:", line)  # a pointer in llama-server's lines
         out.append(re.sub(r"id=\d+,", "id=X,", line))
     return out
 
@@ -298,3 +297,52 @@ def test_a_prompt_the_slot_holds_whole_still_evaluates_its_last_token(gemma3_16)
     warned = [line.split("| ", 2)[-1] for line in sim.log.lines if " W slot" in line]
     assert warned == ["need to evaluate at least 1 token for each active slot (n_past = 100, task.n_tokens() = 100)",
                       "n_past was set to 99"]
+
+
+def test_the_prompt_cache_brings_back_a_prompt_the_slot_gave_up(gemma3_16):
+    """Slot 0 answers A, then B (B shares nothing with A: the server saves A to the prompt cache first),
+    then A and more: the server saves B, finds A in the cache (it keeps all of itself and serves most of the
+    new prompt), loads its state and reuses it. The answer is that of the prompt processed anew."""
+    rng = random.Random(11)
+    a, b = [rng.randrange(3, 500) for _ in range(200)], [rng.randrange(3, 500) for _ in range(120)]
+    sim = server(gemma3_16, publish_logits=True)
+    sub = sim.ctx.bus.subscribe(kinds=(ev.OutputLogProbs, ev.DeviceMemoryChanged))
+    for prompt in (a, b):
+        sim.submit(Task(prompt, n_predict=1, id_slot=0))
+        sim.run()
+    again = a + [rng.randrange(3, 500) for _ in range(30)]
+    sim.submit(Task(again, n_predict=1, id_slot=0))
+    done = sim.run()[-1]
+    lines = "\n".join(without_stamp(line) for line in sim.log.lines)
+    assert "srv         alloc:  - removing obsolete" not in lines
+    assert "srv          load:  - found better prompt with f_keep = 1.000, f_sim = 0.870" in lines
+    assert done.n_cached >= 200 - 32 and done.n_processed == len(again) - done.n_cached
+    events = sub.drain()
+    served = [e for e in events if isinstance(e, ev.OutputLogProbs) and e.positions[-1:] == (len(again) - 1,)]
+    np.testing.assert_allclose(served[0].logprobs[-1], fresh_logprobs(gemma3_16, again), atol=BATCHING_TOLERANCE)
+    held = sum(e.delta for e in events if isinstance(e, ev.DeviceMemoryChanged) and e.what == "prompt cache")
+    assert held == sim.prompt_cache.bytes_held == sim.prompt_cache.size() > 0  # B's state is in it now
+
+
+def test_with_one_buffer_for_all_an_idle_slot_is_saved_and_cleared(gemma3_16):
+    ctx = engine.Context(gemma3_16, n_ctx=1024, n_seq_max=2, kv_unified=True, n_batch=32, n_ubatch=32)
+    sim = ServerSim(ctx, ServerParams(n_slots=2), log=ServerLog(ctx.bus))
+    sim.submit(Task(list(range(3, 80)), n_predict=1, id_slot=0))
+    sim.run()
+    assert sim.ctx.memory.seq_pos_max(0) >= 0
+    sim.submit(Task(list(range(100, 140)), n_predict=1, id_slot=1))
+    sim.run()
+    lines = [without_stamp(line) for line in sim.log.lines]
+    assert "I srv          init: idle slots will be saved to prompt cache and cleared upon starting a new task" in lines
+    assert "I slot prompt_clear: id  0 | task -1 | clearing prompt with 77 tokens" in lines
+    assert sim.ctx.memory.seq_pos_max(0) == -1 and not sim.slots[0].tokens
+    assert [len(p.tokens) for p in sim.prompt_cache.prompts] == [77]
+
+
+def test_without_a_prompt_cache_nothing_is_saved(gemma3_16):
+    sim = server(gemma3_16, cache_ram_mib=0)
+    the_logged_chat(sim)
+    lines = [without_stamp(line) for line in sim.log.lines]
+    assert "I srv    load_model: prompt cache is disabled - use `--cache-ram N` to enable it" in lines
+    assert "W srv          init: --cache-idle-slots requires --cache-ram, disabling" in lines
+    assert not any("saving" in line for line in lines) and sim.prompt_cache is None

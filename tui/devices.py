@@ -39,9 +39,10 @@ class DeviceBars(TextPanel):
         text.append("K/V", style=PART_COLORS["kv"])
         text.append(" · ")
         text.append("compute", style=PART_COLORS["compute"])
-        if any(row.bytes.get("checkpoints") for row in devices.rows.values()):
-            text.append(" · ")
-            text.append("checkpoints", style=PART_COLORS["checkpoints"])
+        for part in ("checkpoints", "prompt cache"):  # a server's host memory, when it holds any
+            if any(row.bytes.get(part) for row in devices.rows.values()):
+                text.append(" · ")
+                text.append(part, style=PART_COLORS[part])
         letters, out = devices.layer_letters()
         if letters:
             text.append("\nlayers ")

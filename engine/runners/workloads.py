@@ -55,6 +55,8 @@ class WorkloadSpec:
     cache_reuse: int = 0  # server: --cache-reuse
     ctx_checkpoints: int = 32  # server: -ctxcp
     checkpoint_min_step: int = 8192  # server: -cms
+    cache_ram_mib: int = 8192  # server: --cache-ram
+    cache_idle_slots: bool = True  # server: --cache-idle-slots
 
     def __post_init__(self) -> None:
         if isinstance(self.sampler, dict):  # a front-end names the sampler's settings without importing it

@@ -10,7 +10,8 @@ from engine import events as ev
 from engine.watch.frames import EMPTY, SHARED
 
 EVENT_GROUPS = ("all", "cells", "decodes", "tokens", "commands", "server", "quirks")
-SERVER_KINDS = ("ServerLogLine", "ServerTaskStarted", "ServerPromptReused", "CheckpointChanged", "ServerTaskFinished")
+SERVER_KINDS = ("ServerLogLine", "ServerTaskStarted", "ServerPromptReused", "CheckpointChanged", "ServerTaskFinished",
+                "ServerSlotChanged")
 GROUP_KINDS = {"cells": ("CellsChanged",), "decodes": ("DecodeStarted", "DecodeFinished", "SlotSearchFailed", "WorkloadStep"),
                "tokens": ("TokenSampled", "SequenceAssigned"), "commands": ("CommandDone", "SessionStatus"),
                "server": SERVER_KINDS}
@@ -101,6 +102,8 @@ def _server_what(event: ev.Event, kind: str) -> str:
         why = f" ({event.why})" if event.why else ""
         return (f"{kind} slot {event.slot} {event.action}{why} [{event.pos_min}, {event.pos_max}] n_tokens "
                 f"{event.n_tokens}, {event.n_bytes / 2**20:.3f} MiB; {event.n_held} held")
+    if isinstance(event, ev.ServerSlotChanged):
+        return f"{kind} slot {event.slot} {event.why}: keeps {event.n_kept} tokens"
     if isinstance(event, ev.ServerTaskFinished):
         stop = f"error: {event.error}" if event.error else event.stop
         return (f"{kind} slot {event.slot} task {event.task}: {stop}; {event.n_cached} reused, {event.n_processed} "

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 from engine import events as ev
 
-PARTS = ("weights", "kv", "compute", "checkpoints")  # checkpoints: a server's context checkpoints, in host memory
+# checkpoints, prompt cache: a server's context checkpoints and its cache of saved prompts, in host memory
+PARTS = ("weights", "kv", "compute", "checkpoints", "prompt cache")
 
 
 @dataclass
@@ -49,7 +50,7 @@ class DeviceMirror:
         elif isinstance(event, ev.DeviceMemoryState):
             self.rows = {d.device: DeviceRow(d.device, d.virtual, d.capacity, d.reserved,
                                              {"weights": d.weights, "kv": d.kv, "compute": d.compute,
-                                              "checkpoints": d.checkpoints})
+                                              "checkpoints": d.checkpoints, "prompt cache": d.prompt_cache})
                          for d in event.devices}
 
     def state_events(self) -> list[ev.Event]:
@@ -59,7 +60,8 @@ class DeviceMirror:
             return []
         rows = ev.DeviceMemoryState(tuple(
             ev.DeviceBytes(r.name, r.virtual, r.capacity, r.reserved, r.bytes.get("weights", 0), r.bytes.get("kv", 0),
-                           r.bytes.get("compute", 0), r.bytes.get("checkpoints", 0)) for r in self.rows.values()))
+                           r.bytes.get("compute", 0), r.bytes.get("checkpoints", 0), r.bytes.get("prompt cache", 0))
+            for r in self.rows.values()))
         return ([self.placement] if self.placement is not None else []) + [rows]
 
     def snapshot(self) -> dict:

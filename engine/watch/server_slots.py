@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from engine import events as ev
 
-SERVER_EVENTS = (ev.ServerTaskStarted, ev.ServerPromptReused, ev.CheckpointChanged, ev.ServerTaskFinished)
+SERVER_EVENTS = (ev.ServerTaskStarted, ev.ServerPromptReused, ev.CheckpointChanged, ev.ServerTaskFinished,
+                 ev.ServerSlotChanged)
 OUTCOMES = ("new", "kept", "restored", "forced", "error")  # of a prompt: what the slot's cache served
 
 
@@ -119,6 +120,8 @@ class ServerSlots:
                 view.checkpoints[event.n_tokens] = (event.pos_min, event.pos_max, event.n_bytes)
             elif event.action == "erased":
                 view.checkpoints.pop(event.n_tokens, None)
+        elif isinstance(event, ev.ServerSlotChanged):
+            self.slot(event.slot).n_kept = event.n_kept
         elif isinstance(event, ev.ServerTaskFinished):
             turn = self._tasks.pop(event.task, None) or TurnView(event.task, event.slot, event.label, event.n_prompt)
             turn.n_processed, turn.n_generated, turn.stop = event.n_processed, event.n_generated, event.stop

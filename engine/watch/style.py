@@ -36,7 +36,7 @@ EMPTY_COLOR_ON_LIGHT = "#8A8A8A"
 
 EMPTY_FILL = {True: "#2A2A2A", False: "#EEEEEE"}  # an empty cell drawn as a filled square: near the page
 MEMORY_PART_COLORS = {"weights": "#0072B2", "kv": "#E69F00", "compute": "#999999",  # device memory bars
-                      "checkpoints": "#CC79A7"}
+                      "checkpoints": "#CC79A7", "prompt cache": "#F5C766"}
 
 # A server's turns: the prompt's tokens its slot's cache served, those it held but recomputed (a forced
 # re-processing, a checkpoint from before them), and the new ones; and what the server decided per turn.

@@ -74,6 +74,16 @@ class CheckpointStore:
             else:
                 i += 1
 
+    def adopt(self, slot: Slot, replaced: list[Checkpoint]) -> None:
+        """The slot took the checkpoints of a prompt loaded from the prompt cache in place of `replaced`."""
+        taken = slot.checkpoints
+        slot.checkpoints = list(replaced)
+        while slot.checkpoints:
+            self._erase(slot, 0, "replaced from the prompt cache")
+        for cp in taken:
+            slot.checkpoints.append(cp)
+            self._changed(slot, cp, "created", "from the prompt cache", +len(cp.data))
+
     def clear(self, slot: Slot) -> None:
         while slot.checkpoints:
             self._erase(slot, 0, "slot cleared")

@@ -29,6 +29,7 @@ from engine.errors import KvscopeError
 from engine.placement.devices import CPU
 from engine.runners.server.checkpoints import CheckpointStore
 from engine.runners.server.log import ServerLog
+from engine.runners.server.prompt_cache import PromptCache
 from engine.runners.server.slot import Slot, Task, common_prefix, now_us, select_slot
 from engine.sampling import Sampler, SamplerParams
 
@@ -56,6 +57,8 @@ class ServerParams:
     ctx_checkpoints: int = 32  # -ctxcp
     checkpoint_min_step: int = 8192  # -cms
     context_shift: bool = False  # --context-shift
+    cache_ram_mib: int = 8192  # --cache-ram: the host-memory prompt cache's limit (-1: none, 0: no cache)
+    cache_idle_slots: bool = True  # --cache-idle-slots: save idle slots to the prompt cache at each new task
     sampler: SamplerParams = SamplerParams(temperature=0.0)
 
     def __post_init__(self) -> None:
@@ -65,6 +68,8 @@ class ServerParams:
         for name in ("cache_reuse", "ctx_checkpoints", "checkpoint_min_step"):
             if getattr(self, name) < 0:
                 raise KvscopeError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.cache_ram_mib < -1:
+            raise KvscopeError(f"cache_ram_mib must be >= -1 (-1: no limit, 0: no prompt cache), got {self.cache_ram_mib}")
         if not 0.0 <= self.slot_prompt_similarity <= 1.0:
             raise KvscopeError(f"slot_prompt_similarity must be in [0, 1], got {self.slot_prompt_similarity}")
 
@@ -84,6 +89,8 @@ class ServerSim:
         self.context_shift = params.context_shift and self.can_shift
         self.cache_reuse = params.cache_reuse if self.can_shift else 0
         self.checkpoints = CheckpointStore(ctx, self.log, params.ctx_checkpoints, params.checkpoint_min_step)
+        self.prompt_cache = PromptCache(ctx, self.log, params.cache_ram_mib, ctx.n_ctx) if params.cache_ram_mib else None
+        self.cache_idle_slots = params.cache_idle_slots and self.prompt_cache is not None
         self.waiting: list[Task] = []
         self.finished: collections.deque[ev.ServerTaskFinished] = collections.deque(maxlen=KEPT_FINISHED)
         self.n_finished = 0
@@ -104,11 +111,24 @@ class ServerSim:
         for slot in self.slots:
             log.slot("info", "load_model", slot.id, -1, f"new slot, n_ctx = {slot.n_ctx}")
             log.slot("debug", "reset", slot.id, -1, "")
+        if p.cache_ram_mib:
+            limit = "no limit" if p.cache_ram_mib < 0 else f"{p.cache_ram_mib} MiB"
+            log.srv("info", "load_model", f"prompt cache is enabled, size limit: {limit}")
+            log.srv("info", "load_model", "use `--cache-ram 0` to disable the prompt cache")
+        else:
+            log.srv("info", "load_model", "prompt cache is disabled - use `--cache-ram N` to enable it")
+        log.srv("info", "load_model", "for more info see https://github.com/ggml-org/llama.cpp/pull/16391")
         if p.ctx_checkpoints > 0:
             log.srv("info", "load_model", f"context checkpoints enabled, max = {p.ctx_checkpoints}, "
                                           f"min spacing = {p.checkpoint_min_step}")
         else:
             log.srv("info", "load_model", "context checkpoints disabled")
+        if p.cache_idle_slots and not p.cache_ram_mib:
+            log.srv("warn", "init", "--cache-idle-slots requires --cache-ram, disabling")
+        elif p.cache_idle_slots:
+            cleared = " and cleared" if self.ctx.params.kv_unified else ""
+            log.srv("info", "init", f"idle slots will be saved to prompt cache{cleared} upon starting a new task")
+            log.srv("debug", "init", "__TEST_TAG_CACHE_IDLE_SLOTS_ENABLED__")
         log.srv("info", "update_slots", "all slots are idle")
         self._idle_told = True
 
@@ -124,6 +144,8 @@ class ServerSim:
                 del slot.tokens[max(n_held, 0):]
                 if not slot.tokens:
                     self.checkpoints.clear(slot)
+                self.ctx.bus.publish(ev.ServerSlotChanged(slot=slot.id, n_kept=len(slot.tokens),
+                                                          why="cut by a command on its sequence"))
 
     def state_events(self) -> list[ev.Event]:
         """Events that tell a new watcher what the slots run and hold: each running task, each held
@@ -141,9 +163,12 @@ class ServerSim:
                 events.append(ev.CheckpointChanged(slot=slot.id, task=cp.id_task, action="created", pos_min=cp.pos_min,
                                                    pos_max=cp.pos_max, n_tokens=cp.n_tokens, n_bytes=len(cp.data),
                                                    n_held=len(slot.checkpoints)))
-        if self.checkpoints.bytes_held:
-            events.append(ev.DeviceMemoryChanged(device=CPU.name, virtual=False, capacity=CPU.capacity, reserved=None,
-                                                 what="checkpoints", delta=self.checkpoints.bytes_held))
+        held = {"checkpoints": self.checkpoints.bytes_held,
+                "prompt cache": self.prompt_cache.bytes_held if self.prompt_cache is not None else 0}
+        for what, nbytes in held.items():
+            if nbytes:
+                events.append(ev.DeviceMemoryChanged(device=CPU.name, virtual=False, capacity=CPU.capacity,
+                                                     reserved=None, what=what, delta=nbytes))
         return events
 
     # ---- tasks ---------------------------------------------------------------------------------
@@ -180,7 +205,12 @@ class ServerSim:
     def _launch_waiting(self) -> None:
         still = []
         for task in self.waiting:
-            slot, how, similarity = select_slot(self.slots, task, self.params.slot_prompt_similarity, self.log)
+            slot, how, similarity, update_cache = select_slot(self.slots, task, self.params.slot_prompt_similarity,
+                                                              self.log)
+            # llama-server would update the cache for a slot it asked for by id even while that slot works (and
+            # then defers the task); kvscope leaves a working slot alone
+            if slot is not None and update_cache and self.prompt_cache is not None and not slot.is_processing:
+                self._update_prompt_cache(slot, task)
             if slot is None or slot.is_processing:
                 still.append(task)  # "no slot is available" / "requested slot is unavailable": deferred
                 continue
@@ -194,7 +224,42 @@ class ServerSim:
             self.ctx.bus.publish(ev.ServerTaskStarted(slot=slot.id, task=task.id, selected_by=how,
                                                       similarity=similarity, n_prompt=len(task.tokens),
                                                       label=task.label))
+            if self.cache_idle_slots:
+                self._save_idle_slots()
         self.waiting = still
+
+    # ---- the host-memory prompt cache ---------------------------------------------------------------
+    def _update_prompt_cache(self, slot: Slot, task: Task) -> None:
+        """The chosen slot would lose most of what it holds (or came by LRU): save it, and load a cached prompt
+        that serves the new one better, if there is one."""
+        started = time.perf_counter()
+        self.log.srv("info", "get_available_slot", "updating prompt cache")
+        self.prompt_cache.save(slot)
+        before = list(slot.checkpoints)
+        if self.prompt_cache.load(slot, task.tokens):
+            if slot.checkpoints is not before and slot.checkpoints != before:
+                self.checkpoints.adopt(slot, before)
+        else:
+            self.log.slot("warn", "prompt_load", slot.id, -1, "failed to load prompt from cache")
+            self._clear_prompt(slot)
+        self.prompt_cache.update()
+        self.log.srv("info", "get_available_slot", f"prompt cache update took {1e3 * (time.perf_counter() - started):.2f} ms")
+
+    def _save_idle_slots(self) -> None:
+        for slot in self.slots:
+            if slot.is_processing:
+                continue
+            self.log.slot("info", "process_single_task", slot.id, -1, "saving idle slot to prompt cache")
+            if self.prompt_cache.save(slot):
+                self.log.slot("debug", "process_single_task", slot.id, -1, "__TEST_TAG_CACHE_IDLE_SLOT__")
+                self.prompt_cache.update()
+            if self.ctx.params.kv_unified:  # cleared: with one buffer for all, its cells are room for others
+                self._clear_prompt(slot)
+
+    def _clear_prompt(self, slot: Slot) -> None:
+        """server_slot::prompt_clear: the sequence's cells, tokens and checkpoints go."""
+        self.log.slot("info", "prompt_clear", slot.id, slot.task_id, f"clearing prompt with {len(slot.tokens)} tokens")
+        self.clear_slot(slot, "cleared (its state is in the prompt cache)")
 
     # ---- the update loop -----------------------------------------------------------------------
     def step(self) -> int:
@@ -484,13 +549,14 @@ class ServerSim:
         """The task gets the error; the slot forgets what it held (llama-server: send_error, release, clear)."""
         self.log.slot("error", "send_error", slot.id, slot.task_id, f"task id = {slot.task_id}, error: {message}")
         self._release(slot, "error", message)
-        self.clear_slot(slot)
+        self.clear_slot(slot, "cleared after a failed task")
 
-    def clear_slot(self, slot: Slot) -> None:
-        with self.ctx.bus.cause(f"server: slot {slot.id} cleared"):
+    def clear_slot(self, slot: Slot, why: str = "cleared") -> None:
+        with self.ctx.bus.cause(f"server: slot {slot.id} {why}"):
             self.ctx.memory.seq_rm(slot.id, -1, -1)
         slot.tokens.clear()
         self.checkpoints.clear(slot)
+        self.ctx.bus.publish(ev.ServerSlotChanged(slot=slot.id, n_kept=0, why=why))
 
     # ---- a full slot ------------------------------------------------------------------------------
     def _context_shift(self, slot: Slot) -> None:

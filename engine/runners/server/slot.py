@@ -83,21 +83,19 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def select_slot(slots: list[Slot], task: Task, similarity_threshold: float, log: ServerLog) -> tuple[Slot | None, str, float]:
+def select_slot(slots: list[Slot], task: Task, similarity_threshold: float,
+                log: ServerLog) -> tuple[Slot | None, str, float, bool]:
     """get_available_slot: the requested slot; else the idle slot whose kept tokens share the longest prefix
     with the prompt, as a share of the prompt, when above the threshold (-sps); else the least recently used
-    idle slot (ties: the last one). Returns (slot, how it was chosen, similarity or -1).
-
-    Not simulated: the host-memory prompt cache (--cache-ram) that llama-server consults when the chosen
-    slot would lose more than half of what it holds."""
-    chosen, how, best = None, "", -1.0
+    idle slot (ties: the last one). Returns (slot, how it was chosen, similarity or -1, whether the server
+    updates its prompt cache now: the slot would keep less than half of what it holds, or came by LRU)."""
+    chosen, how, best, update_cache = None, "", -1.0, False
     if task.id_slot != -1:
         chosen = slots[task.id_slot % len(slots)]
         how = "id"
         log.slot("info", "get_available_slot", chosen.id, -1, f"selected slot by id ({task.id_slot})")
     if similarity_threshold != 0.0:
         f_sim_best = 0.0
-        similar = None
         for slot in slots:
             if task.id_slot != -1 and slot.id != chosen.id:
                 continue
@@ -112,15 +110,18 @@ def select_slot(slots: list[Slot], task: Task, similarity_threshold: float, log:
             log.slot("info", "get_available_slot", slot.id, -1,
                      f" - checking sim = {f_sim:.3f} ({lcp}/{len(task.tokens)}) > {similarity_threshold:.3f}")
             if f_sim > f_sim_best and f_sim > similarity_threshold:
-                f_sim_best, similar = f_sim, slot
-        if similar is not None:
-            best = f_sim_best
+                f_sim_best, chosen = f_sim, slot
+                how = "id" if task.id_slot != -1 else "similarity"
+        if chosen is not None:
+            best = f_sim_best if f_sim_best > 0 else -1.0
+            # llama-server divides by the slot's token count: 0 / 0 for an empty slot is NaN, and NaN < 0.5
+            # is false, so a task given an empty slot by id never consults the prompt cache
+            f_keep = f_sim_best * len(task.tokens) / len(chosen.tokens) if chosen.tokens else float("nan")
             if task.id_slot == -1:
-                chosen, how = similar, "similarity"
-                f_keep = f_sim_best * len(task.tokens) / len(similar.tokens)
-                log.slot("info", "get_available_slot", similar.id, -1,
+                log.slot("info", "get_available_slot", chosen.id, -1,
                          f"selected slot by LCP similarity, f_sim_best = {f_sim_best:.3f} "
                          f"(> {similarity_threshold:.3f} thold), f_keep = {f_keep:.3f}")
+            update_cache = f_keep < 0.5
     if chosen is None:
         t_last = -1
         for slot in slots:
@@ -129,9 +130,9 @@ def select_slot(slots: list[Slot], task: Task, similarity_threshold: float, log:
             if chosen is None or slot.t_last_used <= t_last:
                 chosen, t_last = slot, slot.t_last_used
         if chosen is not None:
-            how = "lru"
+            how, update_cache = "lru", True
             log.slot("info", "get_available_slot", chosen.id, -1, f"selected slot by LRU, t_last = {t_last}")
-    return chosen, how, best
+    return chosen, how, best, update_cache
 
 
 def now_us() -> int:

@@ -22,6 +22,7 @@ class ServerWorkload:
         params = ServerParams(n_slots=spec.n_clients, slot_prompt_similarity=spec.slot_prompt_similarity,
                               cache_reuse=spec.cache_reuse, ctx_checkpoints=spec.ctx_checkpoints,
                               checkpoint_min_step=spec.checkpoint_min_step, context_shift=spec.context_shift,
+                              cache_ram_mib=spec.cache_ram_mib, cache_idle_slots=spec.cache_idle_slots,
                               sampler=spec.sampler)
         self.sim = ServerSim(ctx, params, log=ServerLog(ctx.bus, verbose=False))  # llama-server's lines without -v
         self.runner = ChatRunner(self.sim, load_script(spec.chat or DEMO_CHAT), n_keep=spec.n_keep)
