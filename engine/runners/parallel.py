@@ -43,6 +43,7 @@ With no seed a random one is drawn per run (`ParallelRunner.seed`).
 """
 from __future__ import annotations
 
+import array
 import collections
 import logging
 import secrets
@@ -473,6 +474,11 @@ class ParallelRunner:
                      r.speed, r.cache_misses)
         c.result, c.state, c.sampler, c.decoder, c.prompt_done = None, "idle", None, None, 0
         c.n_past = len(self.system_tokens) if self.share_system_prompt else 0
+        if self._keep_open:
+            # An open run keeps its latest results for as long as it runs: their tokens as one array each
+            # rather than a list of int objects, which, allocated over minutes and freed in turn, keep
+            # Python's small-object arenas from being given back (the soak's slow climb).
+            r.prompt_tokens, r.tokens = array.array("i", r.prompt_tokens), array.array("i", r.tokens)
         return r
 
     def _info(self, step, phase, admitted, finished, n_tokens, n_prompt, n_gen, calls, rc, n_batch, misses,

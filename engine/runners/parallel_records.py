@@ -2,6 +2,7 @@
 summary llama-parallel prints."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.runners.parallel_workload import Request
@@ -14,9 +15,11 @@ class RequestResult:
     request: Request
     client: int
     seq_id: int
-    prompt_tokens: list[int]  # the tokens this request decodes (without the shared system prompt)
+    # the tokens this request decodes (without the shared system prompt); an open run keeps a finished
+    # request's tokens as an array("i")
+    prompt_tokens: Sequence[int]
     n_past_start: int  # position of its first prompt token
-    tokens: list[int] = field(default_factory=list)  # sampled tokens (an eog token included)
+    tokens: Sequence[int] = field(default_factory=list)  # sampled tokens (an eog token included)
     text: str = ""
     stop_reason: str = ""  # "eog", "length", "stop_word", "limit" (the slot's context), "error", "aborted"
     error: str = ""
