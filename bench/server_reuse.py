@@ -1,7 +1,7 @@
 """What llama-server's cache settings cost and save on a sliding-window model: the server simulation runs
 the same chat scripts under each setting, and this prints, per setting, the prompt tokens processed
 (prefill), the turns forced to re-process or saved by a checkpoint, the K/V memory of the context and the
-host memory the checkpoints hold.
+host memory the checkpoints and the prompt cache (--cache-ram) hold, at their peak.
 
     python bench/server_reuse.py [--model demo] [-c 4096] [-ub 512] [--chat FILE ...]
 
@@ -36,7 +36,7 @@ def kv_bytes(ctx) -> int:
 def run(model, chat: Path, n_ctx: int, n_ubatch: int, context: dict, server: dict) -> dict:
     ctx = engine.Context(model, n_ctx=n_ctx, n_seq_max=2, n_ubatch=n_ubatch, **context)
     sim = ServerSim(ctx, ServerParams(n_slots=2, **server), log=ServerLog(ctx.bus, verbose=False))
-    peak = [0]
+    peak, cached = [0], [0]
     sub = ctx.bus.subscribe(kinds=(ev.CheckpointChanged,))
     started = time.perf_counter()
     runner = ChatRunner(sim, load_script(chat))
@@ -44,11 +44,13 @@ def run(model, chat: Path, n_ctx: int, n_ubatch: int, context: dict, server: dic
         runner.step()
         sub.drain()
         peak[0] = max(peak[0], sim.checkpoints.bytes_held)
+        cached[0] = max(cached[0], sim.prompt_cache.bytes_held if sim.prompt_cache is not None else 0)
     seconds = time.perf_counter() - started
     results = runner.results
     return {"prompt": sum(r.n_prompt for r in results), "processed": sum(r.n_processed for r in results),
             "forced": sum(r.outcome == "forced" for r in results), "restored": sum(r.outcome == "restored" for r in results),
-            "kv_mib": kv_bytes(ctx) / 2**20, "checkpoints_mib": peak[0] / 2**20, "seconds": seconds}
+            "kv_mib": kv_bytes(ctx) / 2**20, "checkpoints_mib": peak[0] / 2**20, "cache_mib": cached[0] / 2**20,
+            "seconds": seconds}
 
 
 def main() -> None:
@@ -63,11 +65,12 @@ def main() -> None:
     print(f"{model.config.name}: window {model.config.n_swa}, -c {args.ctx_size} -np 2 -ub {args.ubatch_size}")
     for chat in chats:
         print(f"\n{chat.name}")
-        print(f"  {'setting':<38} {'processed':>14} {'forced':>6} {'restored':>8} {'K/V MiB':>8} {'ckpt MiB':>8} {'s':>6}")
+        print(f"  {'setting':<38} {'processed':>14} {'forced':>6} {'restored':>8} {'K/V MiB':>8} {'ckpt MiB':>8} "
+              f"{'cache MiB':>9} {'s':>6}")
         for name, context, server in SETTINGS:
             r = run(model, chat, args.ctx_size, args.ubatch_size, context, server)
             print(f"  {name:<38} {r['processed']:>5} of {r['prompt']:<5} {r['forced']:>6} {r['restored']:>8} "
-                  f"{r['kv_mib']:>8.1f} {r['checkpoints_mib']:>8.2f} {r['seconds']:>6.2f}")
+                  f"{r['kv_mib']:>8.1f} {r['checkpoints_mib']:>8.2f} {r['cache_mib']:>9.2f} {r['seconds']:>6.2f}")
 
 
 if __name__ == "__main__":
