@@ -46,8 +46,9 @@ class _MallInfo2(ctypes.Structure):
 
 
 def malloc_mib() -> tuple[float, float] | None:
-    """glibc's heap: bytes in use and bytes free but held (mallinfo2), in MiB; None elsewhere. Resident
-    memory that grows while "in use" stays flat is fragmentation, not a leak."""
+    """glibc's main arena: bytes in use and bytes free but held (mallinfo2), in MiB; None elsewhere. The
+    arenas of other threads (the session's worker, the pollers, the recorder, ZeroMQ) are not in it: see
+    anonymous_regions_mib for where resident memory is."""
     try:
         mallinfo2 = ctypes.CDLL(None).mallinfo2
     except (OSError, AttributeError):
@@ -85,6 +86,29 @@ def rss_mib(kind: str = "VmRSS") -> float:
         if line.startswith(f"{kind}:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def anonymous_regions_mib() -> dict[str, float]:
+    """Resident anonymous memory by kind of mapping (/proc/self/smaps): glibc's [heap], thread stacks, and
+    anonymous mmaps by size (1 MiB: pymalloc's arenas; others: glibc's large chunks, torch, numpy)."""
+    out = {"heap": 0.0, "arenas (1 MiB maps)": 0.0, "other anonymous maps": 0.0}
+    try:
+        text = Path("/proc/self/smaps").read_text()
+    except OSError:
+        return {}
+    size = name = None
+    for line in text.splitlines():
+        head = line.split()
+        if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            size, name = hi - lo, head[5] if len(head) > 5 else ""
+        elif head[0] == "Anonymous:" and size is not None:
+            kib = int(head[1])
+            if name == "[heap]":
+                out["heap"] += kib / 1024
+            elif name == "":
+                out["arenas (1 MiB maps)" if size == 1 << 20 else "other anonymous maps"] += kib / 1024
+    return out
 
 
 class Poller(threading.Thread):
@@ -162,6 +186,9 @@ def main() -> int:
                 heap = malloc_mib()
                 if heap is not None:
                     parts.insert(0, f"malloc in use {heap[0]:.1f} MiB, free {heap[1]:.1f} MiB")
+                regions = anonymous_regions_mib()
+                if regions:
+                    parts.insert(0, "anonymous: " + ", ".join(f"{k} {v:.1f}" for k, v in regions.items()))
                 arenas = python_arenas_mib()
                 parts.insert(0, f"python blocks {sys.getallocatedblocks()}"
                              + (f" in {arenas:.0f} MiB of arenas" if arenas is not None else ""))
