@@ -11,12 +11,12 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 
 from engine.watch import style
-from engine.watch.server_slots import ServerSlots, TurnView
+from engine.watch.server_slots import OUTCOME_TEXT, ServerSlots, TurnView
 from engine.watch.watcher import Watcher
 from explorer.view import WatcherView
 
 PARTS = (("reused", "served by the cache"), ("lost", "held, processed again"), ("new", "new tokens"))
-OUTCOME_TEXT = {"new": "", "kept": "kept", "restored": "restored", "forced": "forced", "error": "error"}
+OUTCOME_LABELS = {"new": "", "kept": "kept", "restored": "restored", "forced": "forced", "error": "error"}  # above bars
 SHOWN_TURNS = 40  # the latest turns
 
 
@@ -66,9 +66,9 @@ class ServerView(WatcherView):
             for trace, (part, _) in zip(self.figure.data, PARTS):
                 trace.x, trace.y, trace.customdata = labels, [turn_parts(t)[part] for t in turns], notes
             self.figure.layout.annotations = [
-                dict(x=label, y=t.n_prompt, text=OUTCOME_TEXT[t.outcome] + (" !" if t.quirk else ""), showarrow=False,
+                dict(x=label, y=t.n_prompt, text=OUTCOME_LABELS[t.outcome] + (" !" if t.quirk else ""), showarrow=False,
                      yshift=10, font=dict(size=11, color=style.OUTCOME_COLORS.get(t.outcome, "#999999")))
-                for label, t in zip(labels, turns) if OUTCOME_TEXT.get(t.outcome)]
+                for label, t in zip(labels, turns) if OUTCOME_LABELS.get(t.outcome)]
         self.slots_html.value = shown[1]
 
     def _slots_text(self, server: ServerSlots) -> str:
@@ -92,8 +92,7 @@ class ServerView(WatcherView):
 
 
 def _note(turn: TurnView) -> str:
-    text = {"new": "nothing kept yet", "kept": "prefix reused", "restored": "checkpoint restored",
-            "forced": "full re-processing forced", "error": "failed"}.get(turn.outcome, "")
+    text = OUTCOME_TEXT.get(turn.outcome, "")
     parts = [text, html.escape(turn.why)] if turn.why else [text]
     if turn.quirk:
         parts.append(html.escape(turn.quirk))

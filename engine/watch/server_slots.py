@@ -11,6 +11,15 @@ from engine import events as ev
 SERVER_EVENTS = (ev.ServerTaskStarted, ev.ServerPromptReused, ev.CheckpointChanged, ev.ServerTaskFinished,
                  ev.ServerSlotChanged)
 OUTCOMES = ("new", "kept", "restored", "forced", "error")  # of a prompt: what the slot's cache served
+OUTCOME_TEXT = {"new": "nothing kept yet", "kept": "prefix reused", "restored": "checkpoint restored",
+                "forced": "full re-processing forced", "error": "failed"}
+
+
+def reuse_outcome(event: ev.ServerPromptReused) -> str:
+    """What the server's decision on a prompt was, as one of OUTCOMES (a failed task is "error" later)."""
+    if event.n_kept == 0:
+        return "new"
+    return "forced" if event.forced_full else "restored" if event.restored_n_tokens >= 0 else "kept"
 
 
 @dataclass
@@ -51,12 +60,6 @@ class TurnView:
         if self.outcome == "forced":
             return f"cache from pos {self.pos_min}, window needs {self.pos_min_thold}: no checkpoint"
         return ""
-
-    def describe(self) -> str:
-        text = {"new": "nothing kept yet", "kept": "prefix reused", "restored": "checkpoint restored",
-                "forced": "full re-processing", "error": "failed", "": "waiting"}[self.outcome]
-        line = f"{self.label or f'task {self.task}'}: {self.n_past}/{self.n_prompt} reused, {text}"
-        return line + (f", {self.lost} lost" if self.lost else "")
 
 
 @dataclass
@@ -109,8 +112,7 @@ class ServerSlots:
             turn = self._tasks.get(event.task)
             if turn is not None:
                 turn.n_kept, turn.n_common, turn.n_past = event.n_kept, event.n_common, event.n_past
-                turn.outcome = "new" if event.n_kept == 0 else "forced" if event.forced_full else \
-                    "restored" if event.restored_n_tokens >= 0 else "kept"
+                turn.outcome = reuse_outcome(event)
                 turn.why, turn.quirk = event.why, event.quirk
                 turn.pos_min, turn.pos_min_thold = event.pos_min, event.pos_min_thold
                 turn.restored_n_tokens = event.restored_n_tokens

@@ -17,12 +17,11 @@ class CheckpointStore:
 
     def __init__(self, ctx, log: ServerLog, max_per_slot: int, min_step: int) -> None:
         self.ctx, self.log, self.max_per_slot, self.min_step = ctx, log, max_per_slot, min_step
+        self._bytes = 0
 
     @property
     def bytes_held(self) -> int:
         return self._bytes
-
-    _bytes = 0
 
     def create(self, slot: Slot, n_tokens_cur: int, pos_min: int, pos_max: int) -> Checkpoint:
         """The state before the batch being built (its n_tokens_cur tokens are in slot.tokens already)."""

@@ -32,6 +32,7 @@ from engine.errors import KvscopeError
 from engine.runners.server.chat import REASONING, ROLES, Message, answer_tokens, render
 from engine.runners.server.server import ServerSim
 from engine.runners.server.slot import Task
+from engine.watch.server_slots import reuse_outcome
 
 DEFAULT_SYSTEM = "A conversation between a curious User and a friendly Assistant.\n"
 TURN_KEYS = {"user", "assistant", "n_predict", "system", "insert"}
@@ -166,12 +167,10 @@ class ChatRunner:
     """Drives a ServerSim with conversations: each sends its next turn when its last answer came back."""
 
     def __init__(self, sim: ServerSim, conversations: list[Conversation], *, n_keep: int = 0) -> None:
-        for c in conversations:
-            if c.slot >= sim.params.n_slots:
-                raise ScriptError(f"conversation {c.name!r} asks for slot {c.slot}, but the server has "
-                                  f"{sim.params.n_slots} slots (-np)")
         self.sim, self.tokenizer, self.n_keep = sim, sim.tokenizer, n_keep
-        self.progress = [_Progress(c, system=c.system) for c in conversations]
+        self.progress: list[_Progress] = []
+        for conversation in conversations:
+            self.add(conversation)
         self.results: list[TurnResult] = []
         self._turns: dict[int, tuple[_Progress, Turn]] = {}
         self._reuse: dict[int, ev.ServerPromptReused] = {}
@@ -229,8 +228,7 @@ class ChatRunner:
         p, turn = self._turns.pop(finished.task)
         answer = turn.assistant if turn.assistant is not None else finished.text.rstrip("\n")
         reuse = self._reuse.pop(finished.task, None)
-        outcome = "error" if finished.stop == "error" else "new" if reuse is None or reuse.n_kept == 0 else \
-            "forced" if reuse.forced_full else "restored" if reuse.restored_n_tokens >= 0 else "kept"
+        outcome = "error" if finished.stop == "error" else "new" if reuse is None else reuse_outcome(reuse)
         self.results.append(TurnResult(p.conversation.name, p.next_turn + 1, finished.task, finished.slot,
                                        finished.n_prompt, finished.n_cached, finished.n_processed, outcome,
                                        finished.error or answer))

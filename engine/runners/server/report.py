@@ -3,9 +3,7 @@ and why), and the totals."""
 from __future__ import annotations
 
 from engine.runners.server.conversations import TurnResult
-
-OUTCOMES = {"new": "nothing kept yet", "kept": "prefix reused", "restored": "checkpoint restored",
-            "forced": "full re-processing forced", "error": "failed"}
+from engine.watch.server_slots import OUTCOME_TEXT
 
 
 def turn_table(results: list[TurnResult]) -> list[str]:
@@ -18,7 +16,7 @@ def turn_table(results: list[TurnResult]) -> list[str]:
     for r in results:
         label = f"{r.conversation} turn {r.turn}"
         lines.append(f"{label:<{width}} {r.task:>5} {r.slot:>4} {r.n_prompt:>6} {r.n_cached:>6} {r.n_processed:>9}  "
-                     f"{OUTCOMES[r.outcome]}")
+                     f"{OUTCOME_TEXT[r.outcome]}")
     prompt = sum(r.n_prompt for r in results)
     processed = sum(r.n_processed for r in results)
     share = f" ({100 * processed / prompt:.0f}% of the prompts' tokens)" if prompt else ""

@@ -11,9 +11,10 @@ the tokens the slot kept (`cache_prompt`), --cache-reuse chunk shifting, and on 
 check that the cache still holds the window before the first new token, else a context checkpoint from
 before it, else a full re-processing.
 
-Not simulated: the host-memory prompt cache (--cache-ram) and its "saving idle slot" lines, speculative
-decoding, multimodal chunks, embeddings and reranking tasks, HTTP. Task ids count as llama-server's do
-here: one per request and one per update-loop iteration that decodes (its NEXT_RESPONSE task).
+The host-memory prompt cache (--cache-ram) is engine/runners/server/prompt_cache.py. Not simulated:
+speculative decoding, multimodal chunks, embeddings and reranking tasks, HTTP. Task ids count as
+llama-server's do here: one per request and one per update-loop iteration that decodes (its NEXT_RESPONSE
+task).
 """
 from __future__ import annotations
 
@@ -62,9 +63,8 @@ class ServerParams:
     sampler: SamplerParams = SamplerParams(temperature=0.0)
 
     def __post_init__(self) -> None:
-        for name in ("n_slots",):
-            if getattr(self, name) < 1:
-                raise KvscopeError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_slots < 1:
+            raise KvscopeError(f"n_slots must be >= 1, got {self.n_slots}")
         for name in ("cache_reuse", "ctx_checkpoints", "checkpoint_min_step"):
             if getattr(self, name) < 0:
                 raise KvscopeError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -235,10 +235,10 @@ class ServerSim:
         started = time.perf_counter()
         self.log.srv("info", "get_available_slot", "updating prompt cache")
         self.prompt_cache.save(slot)
-        before = list(slot.checkpoints)
+        replaced = slot.checkpoints
         if self.prompt_cache.load(slot, task.tokens):
-            if slot.checkpoints is not before and slot.checkpoints != before:
-                self.checkpoints.adopt(slot, before)
+            if slot.checkpoints is not replaced:  # a saved prompt came in, with checkpoints of its own
+                self.checkpoints.adopt(slot, replaced)
         else:
             self.log.slot("warn", "prompt_load", slot.id, -1, "failed to load prompt from cache")
             self._clear_prompt(slot)
@@ -276,11 +276,10 @@ class ServerSim:
         for slot in self.slots:
             if slot.state == "generating" and len(slot.tokens) + 1 >= slot.n_ctx and self.context_shift:
                 self._context_shift(slot)
-        tokens, pos, seqs, outputs, owners = [], [], [], [], []
+        tokens, pos, seqs, outputs = [], [], [], []
 
         def add(slot: Slot, token: int, output: bool) -> None:
             tokens.append(token), pos.append(len(slot.tokens)), seqs.append([slot.id]), outputs.append(output)
-            owners.append(slot)
             slot.tokens.append(token)
 
         for slot in self.slots:
@@ -298,12 +297,12 @@ class ServerSim:
             self._fill_prompt(slot, tokens, add, outputs)
         if not tokens:
             return 0
-        self._decode(Batch(tokens, pos, seqs, outputs), owners)
+        self._decode(Batch(tokens, pos, seqs, outputs))
         return len(tokens)
 
     # ---- a new prompt: what of it the slot's cache serves ---------------------------------------
     def _start_prompt(self, slot: Slot) -> bool:
-        task, log, kept = slot.task, self.log, list(slot.tokens)
+        task, log, n_kept = slot.task, self.log, len(slot.tokens)
         prompt, n_prompt = task.tokens, len(task.tokens)
         slot.state = "prompt"
         slot.t_prompt_start = time.perf_counter()
@@ -371,7 +370,7 @@ class ServerSim:
         slot.n_past_reused = n_past
         del slot.tokens[n_past:]  # the cells go with the first batch's seq_rm
         decided = ev.ServerPromptReused(
-            slot=slot.id, task=task.id, n_prompt=n_prompt, n_kept=len(kept), n_common=n_common, n_past=n_past,
+            slot=slot.id, task=task.id, n_prompt=n_prompt, n_kept=n_kept, n_common=n_common, n_past=n_past,
             n_cache_reused=n_moved, forced_full=forced, why=why, pos_min=pos_min, pos_min_thold=pos_min_thold,
             restored_n_tokens=restored, quirk=quirk)
         self._decisions[slot.id] = decided
@@ -454,7 +453,7 @@ class ServerSim:
             self.checkpoints.create(slot, n_tokens_cur, pos_min, pos_max)
 
     # ---- decode and sample ----------------------------------------------------------------------
-    def _decode(self, batch: Batch, owners: list[Slot]) -> None:
+    def _decode(self, batch: Batch) -> None:
         ctx, log = self.ctx, self.log
         n, off, n_batch = len(batch), 0, ctx.n_batch
         while off < n:
@@ -491,8 +490,9 @@ class ServerSim:
             token = task.answer[len(slot.generated)]
         slot.generated.append(token)
         self.sampled_last_step += 1
+        piece = self.tokenizer.decode([token])
         if self.ctx.bus.active:
-            self.ctx.bus.publish(ev.TokenSampled(slot.id, token, self.tokenizer.decode([token]), len(slot.tokens)))
+            self.ctx.bus.publish(ev.TokenSampled(slot.id, token, piece, len(slot.tokens)))
         n_gen = len(slot.generated)
         n_remaining = task.n_predict - n_gen if task.n_predict >= 0 else -1
         stop = ""
@@ -509,7 +509,7 @@ class ServerSim:
                      f"stopped due to running out of context capacity, prompt.n_tokens() = {len(slot.tokens)}, "
                      f"task.n_tokens = {len(task.tokens)}, n_gen = {n_gen}, n_ctx = {slot.n_ctx}")
         log.slot("debug", "process_token", slot.id, task.id, f"n_gen = {n_gen}, n_remaining = {n_remaining}, next "
-                                                             f"token: {token:5d} '{self.tokenizer.decode([token])}'")
+                                                             f"token: {token:5d} '{piece}'")
         if stop:
             self._print_timings(slot)
             self._release(slot, stop)
