@@ -129,3 +129,14 @@ def test_a_recorded_server_run_replays_its_slots_at_any_event(tmp_path):
         assert shown.totals() == expected.totals(), target
         assert {s: sorted(v.checkpoints) for s, v in shown.slots.items()} == \
             {s: sorted(v.checkpoints) for s, v in expected.slots.items()}
+
+
+def test_a_workload_that_cannot_be_made_leaves_the_cache_as_it_was(tmp_path):
+    with Session("demo", settings=SETTINGS, workload=WorkloadSpec(kind="idle"), threaded=False) as session:
+        session.add_prompt("And God said").result()
+        before = session.ctx.memory.seq_pos_max(0)
+        with pytest.raises(KvscopeError, match="cannot read the conversation script"):
+            session.set_workload(server_spec(chat=str(tmp_path / "missing.json"))).result()
+        assert before >= 0 and session.ctx.memory.seq_pos_max(0) == before
+        session.set_workload(server_spec()).result()
+        assert session.ctx.memory.seq_pos_max(0) == -1  # the server owns its slots' sequences: it starts empty

@@ -451,9 +451,9 @@ class Session:
         if spec.n_seq_max_needed() > self.ctx.n_seq_max:
             raise KvscopeError(f"the {spec.kind} workload needs n_seq_max >= {spec.n_seq_max_needed()}, the context "
                                f"has {self.ctx.n_seq_max}; rebuild with a larger n_seq_max first")
-        if spec.kind in ("parallel", "server"):  # they own their sequences from the start
+        workload = make_workload(spec, self.ctx)  # first: a workload that cannot be made leaves the cache as it was
+        if workload.owns_sequences:  # it starts from an empty cache
             self.ctx.memory.clear()
-        workload = make_workload(spec, self.ctx)
         self._spec, self._workload = spec, workload
         self._publish_status()
 
