@@ -90,6 +90,19 @@ def test_a_working_slot_refuses_a_context_shift_and_a_loaded_state():
             session.load_state(session.save_state(seq_id=busy).result(), seq_id=busy).result()
 
 
+
+def test_an_idle_slot_refuses_a_shift_from_outside():
+    """Its cells would move without the tokens it keeps, which the next turn's reuse reads."""
+    settings = {**SETTINGS, "n_seq_max": 3, "swa_full": True}
+    with Session("demo", settings=settings, workload=WorkloadSpec(kind="server", n_clients=3, sampler=GREEDY),
+                 threaded=False) as session:
+        session.step(3).result()
+        assert 2 not in session._workload.active_seqs()  # the demo chats use slots 0 and 1
+        session.seq_cp(0, 2).result()  # slot 2's sequence now holds cells a shift would move
+        with pytest.raises(KvscopeError, match="seq 2 is server slot 2: a shift from outside"):
+            session.context_shift(2, 2).result()
+
+
 def test_the_server_flags_reach_the_workload(tmp_path):
     from engine.cli import build_parser, session_settings
 

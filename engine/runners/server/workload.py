@@ -53,12 +53,18 @@ class ServerWorkload:
         return tuple(s.id for s in self.sim.slots if s.is_processing)
 
     def shifted(self, seq_id: int, n_discard: int) -> None:
-        pass  # only an idle slot is shifted (check_shift), and the next step follows its cache
+        pass  # check_shift refuses every shift of a slot's sequence
 
     def check_shift(self, seq_id: int) -> None:
+        """A shift from outside would move a slot's cells without its kept tokens, which the next turn's
+        reuse reads: refused (the server shifts a full slot itself with --context-shift)."""
         if seq_id in self.active_seqs():
             raise KvscopeError(f"slot {seq_id} is processing a task: shift it when it is idle (the server shifts a "
                                f"generating slot itself with --context-shift)")
+        if seq_id < len(self.sim.slots):
+            raise KvscopeError(f"seq {seq_id} is server slot {seq_id}: a shift from outside would leave the tokens it "
+                               f"keeps out of step with its cells (the server shifts a full slot itself with "
+                               f"--context-shift)")
 
     def stop_seq(self, seq_id: int, reason: str) -> None:
         raise KvscopeError("the server workload owns its slots' sequences: switch the session to the idle or "
