@@ -550,9 +550,9 @@ def cmd_server_sim(args: argparse.Namespace) -> int:
     from engine.runners.server import ServerLog, ServerParams, ServerSim
     from engine.runners.server.conversations import ChatRunner, load_script
     from engine.runners.server.report import turn_table
+    from engine.runners.server.workload import DEMO_CHAT
 
-    script = args.chat or os.path.join(os.path.dirname(__file__), "runners", "server", "chats", "demo.json")
-    conversations = load_script(script)  # a bad script is told before the model loads
+    conversations = load_script(args.chat or DEMO_CHAT)  # a bad script is told before the model loads
     params = ServerParams(n_slots=args.parallel, slot_prompt_similarity=args.slot_prompt_similarity,
                           cache_reuse=args.cache_reuse, ctx_checkpoints=args.ctx_checkpoints,
                           checkpoint_min_step=args.checkpoint_min_step, context_shift=args.context_shift,

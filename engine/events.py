@@ -363,12 +363,15 @@ class TokenSampled(Event):
     pos: int
 
 
+SERVER_LOG_LETTERS = {"info": "I", "warn": "W", "error": "E", "debug": "D"}  # common/log.cpp's level marks
+
+
 @dataclass(frozen=True, eq=False)
 class ServerLogLine(Event):
     """One line of the simulated llama-server's log, in its words (engine/runners/server/log.py), without
     the time prefix; slot and task -1 for a server line."""
 
-    level: str  # info, warn, error, debug
+    level: str  # a key of SERVER_LOG_LETTERS
     text: str
     slot: int = -1
     task: int = -1

@@ -85,7 +85,7 @@ def _what(event: ev.Event) -> str:
 
 def _server_what(event: ev.Event, kind: str) -> str:
     if isinstance(event, ev.ServerLogLine):
-        return f"{'IWED'['iwed'.index(event.level[0])]} {event.text}"
+        return f"{ev.SERVER_LOG_LETTERS[event.level]} {event.text}"
     if isinstance(event, ev.ServerTaskStarted):
         how = {"id": "by its id", "similarity": f"by similarity {event.similarity:.3f}", "lru": "least recently used"}
         return (f"{kind} slot {event.slot}: task {event.task}" + (f" ({event.label})" if event.label else "") +

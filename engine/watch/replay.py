@@ -257,10 +257,9 @@ class Replay:
     def _server_before(self, parts: Watcher, stop: int) -> None:
         """A server's slots as the events before `stop` left them: keyframes hold the cache, not the
         server's tasks and checkpoints, so its (few) events are read from the start."""
-        kinds = self.reader.kinds()
-        for i in range(min(stop, len(kinds))):
-            if kinds[i] in _SERVER_KIND_NAMES:
-                parts.server.apply(self.reader.event(i))
+        where = self._kind_index().positions(_SERVER_KIND_NAMES)
+        for i in where[:np.searchsorted(where, stop)].tolist():
+            parts.server.apply(self.reader.event(i))
 
     def _load_keyframe(self, parts: Watcher, keyframe: int) -> None:
         """The keyframe's state into fresh watcher parts, and what the events before it left in a watcher."""

@@ -15,7 +15,6 @@ from typing import Callable
 
 from engine import events as ev
 
-LEVEL_LETTERS = {"info": "I", "warn": "W", "error": "E", "debug": "D"}
 KEPT_LINES = 20_000  # a long simulation keeps its latest lines; every line is also an event
 
 
@@ -44,7 +43,7 @@ class ServerLog:
     def _write(self, level: str, body: str, slot_id: int, task_id: int) -> None:
         if level == "debug" and not self.verbose:
             return
-        line = f"{stamp(time.perf_counter() - self.started)} {LEVEL_LETTERS[level]} {body}"
+        line = f"{stamp(time.perf_counter() - self.started)} {ev.SERVER_LOG_LETTERS[level]} {body}"
         self.lines.append(line)
         if self.bus is not None:
             self.bus.publish(ev.ServerLogLine(level=level, text=body, slot=slot_id, task=task_id))
