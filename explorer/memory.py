@@ -6,7 +6,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from engine.watch import style
-from engine.watch.device_mirror import PARTS, DeviceMirror
+from engine.watch.device_mirror import OPTIONAL_PARTS, PARTS, DeviceMirror
 from engine.watch.watcher import Watcher
 from explorer.view import WatcherView
 
@@ -64,6 +64,7 @@ class MemoryBars(WatcherView):
         with self.figure.batch_update():
             for trace, part in zip(self.figure.data, PARTS):
                 trace.x, trace.y = [mib(row.bytes.get(part, 0)) for row in rows], labels
+                trace.showlegend = part not in OPTIONAL_PARTS or any(row.bytes.get(part) for row in rows)
             free = self.figure.data[len(PARTS)]
             # no known capacity (the host without a limit): no free part, the bar shows the parts' shares
             free.x = [mib(max(0, row.capacity - row.used)) if row.capacity else 0 for row in rows]

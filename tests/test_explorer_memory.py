@@ -41,3 +41,21 @@ def test_bars_follow_the_devices_through_a_rebuild_onto_a_virtual_gpu():
         assert parts + shown["VGPU0 (virtual)"]["free"] == pytest.approx(64.0)  # the capacity, all told
         assert "layers GGGGGG" in bars.figure.layout.title.text
         assert len(bars.figure.data) == len(PARTS) + 1
+
+
+def test_a_servers_host_memory_is_named_only_when_held():
+    from engine.runners.session import Session
+    from engine.runners.workloads import WorkloadSpec
+
+    spec = WorkloadSpec(kind="server", n_clients=2, sampler={"temperature": 0.0})
+    with Session("demo", settings=dict(n_ctx=2048, n_seq_max=2), workload=spec, threaded=False) as session:
+        bars = MemoryBars.of(session, widget=False)
+        legend = {trace.name for trace in bars.figure.data if trace.showlegend is not False}
+        assert {"checkpoints", "prompt cache"}.isdisjoint(legend) and "K/V" in legend
+        session.step(400).result()
+        bars.update()
+        legend = {trace.name for trace in bars.figure.data if trace.showlegend is not False}
+        assert {"checkpoints", "prompt cache"} <= legend
+        cpu = bars.watcher.mirror.devices.rows["CPU"]
+        assert cpu.bytes["checkpoints"] > 0
+        assert bars_of(bars)["CPU"]["checkpoints"] == pytest.approx(mib(cpu.bytes["checkpoints"]))

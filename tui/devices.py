@@ -4,7 +4,7 @@ from __future__ import annotations
 from rich.text import Text
 
 from engine.watch import style
-from engine.watch.device_mirror import DeviceMirror
+from engine.watch.device_mirror import OPTIONAL_PARTS, DeviceMirror
 from tui.text_panel import TextPanel
 
 PART_COLORS = style.MEMORY_PART_COLORS
@@ -39,7 +39,7 @@ class DeviceBars(TextPanel):
         text.append("K/V", style=PART_COLORS["kv"])
         text.append(" · ")
         text.append("compute", style=PART_COLORS["compute"])
-        for part in ("checkpoints", "prompt cache"):  # a server's host memory, when it holds any
+        for part in OPTIONAL_PARTS:
             if any(row.bytes.get(part) for row in devices.rows.values()):
                 text.append(" · ")
                 text.append(part, style=PART_COLORS[part])

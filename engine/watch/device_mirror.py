@@ -8,6 +8,7 @@ from engine import events as ev
 
 # checkpoints, prompt cache: a server's context checkpoints and its cache of saved prompts, in host memory
 PARTS = ("weights", "kv", "compute", "checkpoints", "prompt cache")
+OPTIONAL_PARTS = ("checkpoints", "prompt cache")  # a view names them only when some device holds any
 
 
 @dataclass
