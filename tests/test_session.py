@@ -276,10 +276,16 @@ def test_rebuild_onto_virtual_devices_and_a_refused_one(llama):
         assert [d.name for d in session.ctx.gpus] == ["VGPU0"]
         assert {d.name for d in session.ctx.placement.layer_devices} == {"VGPU0"}
         assert {d.name for d in session.ctx.placement.kv_devices} == {"CPU"}
+        assert session.add_prompt("kept through a refused rebuild").result() == 0
+        cells = session.ctx.memory.cells(0)
+        watcher = Watcher.of(session)
         with pytest.raises(KvscopeError, match="VGPU1"):
             session.rebuild(devices=["VGPU1=1KiB"], n_gpu_layers=-1).result()
         assert [d.name for d in session.ctx.gpus] == ["VGPU0"]  # the old context stayed
-        assert session.add_prompt("still works").result() == 0
+        assert session.ctx.memory.cells(0) == cells and any(pos >= 0 for pos, _, _ in cells)  # and its cells
+        watcher.poll()
+        assert watcher.mirror.cells(0, session.ctx.memory.name) == cells
+        assert session.add_prompt("still works").result() == 1
 
 
 def test_every_command_from_another_thread_while_generation_decodes(demo, tmp_path):

@@ -487,11 +487,17 @@ class Session:
         if Path(model.path).exists():  # refuses settings that cannot work before the old context goes
             estimate(model.path, **settings)
         old_model, old_settings = self._model, self._settings
+        # The estimate cannot see everything a context checks (a device's free memory after this context's
+        # weights leave it), so a refusal can still come after the old context is gone: its cells then come
+        # back from a state snapshot. The workload starts afresh on them (what it was generating stops).
+        saved = self.ctx.state_get_data() if self.ctx is not None else None
         self._release_context()
         try:
             self.ctx = self._new_context(settings, self._spec, model)
         except Exception:
             self.ctx = self._new_context(old_settings, self._spec, old_model)
+            if saved is not None:
+                self.ctx.state_set_data(saved)
             self._workload = make_workload(self._spec, self.ctx)
             raise
         self._model, self._settings = model, settings

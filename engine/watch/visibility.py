@@ -1,8 +1,7 @@
 """SWA visibility: which cells of each cache the next token of a sequence attends to, rebuilt from a
 CacheMirror alone, so every front-end (terminal, notebook, replay viewer) draws the same answer.
 
-The answer comes from engine.errors import KvscopeError
-from engine.kv.swa.attends, the rule the attention kernel builds its KQ mask with
+The answer comes from engine.kv.swa.attends, the rule the attention kernel builds its KQ mask with
 (engine/kv/attention.py UbatchAttention._build_mask, after llama.cpp's
 llama_kv_cache::set_input_kq_mask in src/llama-kv-cache.cpp, windowed by llama_hparams::is_masked_swa
 in src/llama-hparams.cpp), so a view and the kernel cannot disagree about a cell.
