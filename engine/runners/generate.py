@@ -180,7 +180,7 @@ class Generator:
             self.ctx.memory.seq_rm(seq_id, -1, -1)
         if self.ctx.bus.active:
             label = prompt if isinstance(prompt, str) else self.tokenizer.decode(tokens)
-            self.ctx.bus.publish(ev.SequenceAssigned(seq_id, f"prompt of seq {seq_id}", label, len(tokens)))
+            self.ctx.bus.publish(ev.SequenceAssigned(seq_id, f"generation on seq {seq_id}", label, len(tokens)))
         self.sampler.reset(seq_id)
         self.sampler.accept(tokens, seq_id)
         result = SequenceResult(seq_id, tokens)
