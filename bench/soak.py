@@ -1,6 +1,7 @@
 """A long run of the live layer: does anything grow, get lost or go wrong over time?
 
     python bench/soak.py [--minutes 30] [--port 5790] [--out /tmp/soak.kvtrace] [--without PART ...]
+                         [--census MINUTES] [--trace-malloc FRAMES] [--trace-from MINUTES]
 
 One process runs a Session (the demo model, the parallel workload, new requests whenever the queue runs
 dry) served over ZeroMQ, and attaches four watchers:
@@ -14,18 +15,29 @@ event and compared with the view's mirror. It fails (exit 1) if memory after the
 than 5% (the warm-up: 3 minutes, and until the run keeps as many finished requests as it ever will,
 KEPT_RESULTS, a bounded buffer that takes about 6 minutes to fill here), if a view disagrees with the engine, if a dropped event was not followed by a resync, or
 if the recording does not replay. Not part of the test command: it takes as long as you give it.
+
+To find what grows: --census counts the objects alive by type at quiet points (the session paused, every
+queue drained, the views' histories written, garbage collected) and says what grew since the first count,
+without slowing the run; --trace-malloc does the same with tracemalloc snapshots (allocation sites, but
+several times slower). Both print what the places that keep events or requests hold. The per-minute line
+gives pymalloc's bytes in use beside its arenas, and the collector's runs.
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import ctypes
+import gc
 import os
 import re
 import sys
 import tempfile
 import threading
 import time
+import tracemalloc
 from pathlib import Path
+from typing import Iterator
 
 import engine
 from engine.runners.parallel import KEPT_RESULTS
@@ -46,9 +58,10 @@ class _MallInfo2(ctypes.Structure):
 
 
 def malloc_mib() -> tuple[float, float] | None:
-    """glibc's main arena: bytes in use and bytes free but held (mallinfo2), in MiB; None elsewhere. The
-    arenas of other threads (the session's worker, the pollers, the recorder, ZeroMQ) are not in it: see
-    anonymous_regions_mib for where resident memory is."""
+    """glibc's malloc: bytes in use (mmap'd chunks included) and bytes free but held (mallinfo2), in MiB;
+    None elsewhere. mallinfo2 sums every arena, the threads' (the session's worker, the pollers, the recorder,
+    ZeroMQ) as well as the main one: glibc_arenas_mib gives them one by one, anonymous_regions_mib where
+    resident memory is."""
     try:
         mallinfo2 = ctypes.CDLL(None).mallinfo2
     except (OSError, AttributeError):
@@ -58,9 +71,11 @@ def malloc_mib() -> tuple[float, float] | None:
     return (info.uordblks + info.hblkhd) / 2**20, info.fordblks / 2**20
 
 
-def python_arenas_mib() -> float | None:
-    """Memory of pymalloc's arenas (mmap'd outside glibc's heap, so mallinfo2 does not count it): arenas
-    allocated now times their size, from sys._debugmallocstats (which writes to the C stderr)."""
+def python_arenas_mib() -> tuple[float, float] | None:
+    """pymalloc's arenas (mmap'd outside glibc's heap, so mallinfo2 does not count them): the memory of the
+    arenas allocated now, and the bytes in blocks in use in them, in MiB, from sys._debugmallocstats (which
+    writes to the C stderr). Arenas well above the blocks in use: memory held by a few live objects per
+    arena (fragmentation). None where pymalloc is not the allocator (under tracemalloc, for one)."""
     with tempfile.TemporaryFile(mode="w+") as out:
         saved = os.dup(2)
         try:
@@ -74,9 +89,38 @@ def python_arenas_mib() -> float | None:
         text = out.read()
     count = re.search(r"# arenas allocated current\s*=\s*([\d,]+)", text)
     size = re.search(r"arenas \* ([\d,]+) bytes/arena", text)
-    if count is None or size is None:
+    used = re.search(r"# bytes in allocated blocks\s*=\s*([\d,]+)", text)
+    if count is None or size is None or used is None:
         return None
-    return int(count.group(1).replace(",", "")) * int(size.group(1).replace(",", "")) / 2**20
+    number = [int(m.group(1).replace(",", "")) for m in (count, size, used)]
+    return number[0] * number[1] / 2**20, number[2] / 2**20
+
+
+def glibc_arenas_mib() -> list[tuple[float, float]] | None:
+    """Every glibc arena (the main one first, then one per thread that allocated, up to glibc's limit): the
+    memory it took from the system and how much of that is in use, in MiB (malloc_info); None elsewhere."""
+    try:
+        libc = ctypes.CDLL(None)
+        malloc_info, fdopen, fclose = libc.malloc_info, libc.fdopen, libc.fclose
+    except (OSError, AttributeError):
+        return None
+    fdopen.restype, fdopen.argtypes = ctypes.c_void_p, [ctypes.c_int, ctypes.c_char_p]
+    malloc_info.argtypes, fclose.argtypes = [ctypes.c_int, ctypes.c_void_p], [ctypes.c_void_p]
+    with tempfile.TemporaryFile() as out:
+        stream = fdopen(os.dup(out.fileno()), b"w")
+        if not stream:
+            return None
+        malloc_info(0, stream)
+        fclose(stream)
+        out.seek(0)
+        text = out.read().decode("ascii", "replace")
+    arenas = []
+    for heap in re.findall(r'<heap nr="\d+">(.*?)</heap>', text, re.S):
+        free = sum(int(n) for n in re.findall(r'<total type="(?:fast|rest)" count="\d+" size="(\d+)"', heap))
+        system = re.search(r'<system type="current" size="(\d+)"', heap)
+        if system is not None:
+            arenas.append((int(system.group(1)) / 2**20, (int(system.group(1)) - free) / 2**20))
+    return arenas
 
 
 def rss_mib(kind: str = "VmRSS") -> float:
@@ -145,7 +189,21 @@ def main() -> int:
     parser.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "soak.kvtrace"))
     parser.add_argument("--without", action="append", default=[], choices=["view", "slow view", "remote view", "recorder"],
                         help="leave a part out, to find which one a growth comes from (repeatable)")
+    parser.add_argument("--trace-malloc", type=int, default=0, metavar="FRAMES",
+                        help="trace Python allocations (tracemalloc, FRAMES frames deep, e.g. 10): a snapshot at the end "
+                             "of the warm-up, then every 5 minutes the top differences against it (slow: a run for looking "
+                             "for a growth, not for the memory verdict)")
+    parser.add_argument("--census", type=float, default=0.0, metavar="MINUTES",
+                        help="every MINUTES after the warm-up, with the session paused and its queues drained: the objects "
+                             "alive by type and what grew since the first count, and what the places that keep events or "
+                             "requests hold (cheap: no tracemalloc, so the run keeps its pace)")
+    parser.add_argument("--trace-from", type=float, default=None, metavar="MINUTES",
+                        help="take the first snapshot or count at this minute instead of at the end of the warm-up (the "
+                             "differences then include the kept requests filling up)")
+    parser.add_argument("--trace-top", type=int, default=25, help="how many differences to print")
     args = parser.parse_args()
+    if args.trace_malloc:
+        tracemalloc.start(args.trace_malloc)
 
     settings = dict(n_ctx=2048, n_seq_max=5, kv_unified=True, swa_full=True)
     spec = WorkloadSpec("parallel", n_clients=4, n_sequences=32, n_predict=48, arrival_gap=1,
@@ -171,6 +229,9 @@ def main() -> int:
         rss: list[tuple[float, float]] = []
         warm_from: float | None = None
         next_check, next_sample = 300.0, 0.0
+        baseline: tracemalloc.Snapshot | None = None
+        first_census: tuple[collections.Counter, int] | None = None
+        next_trace = 0.0
         while (elapsed := time.monotonic() - t0) < args.minutes * 60:
             time.sleep(0.2)
             if session.status().state in ("idle", "finished"):  # keep the clients busy
@@ -190,14 +251,38 @@ def main() -> int:
                 if regions:
                     parts.insert(0, "anonymous: " + ", ".join(f"{k} {v:.1f}" for k, v in regions.items()))
                 arenas = python_arenas_mib()
+                parts.insert(0, "gc: " + ", ".join(f"gen{g} {st['collections']} runs, {st['collected']} collected"
+                                                    for g, st in enumerate(gc.get_stats())))
                 parts.insert(0, f"python blocks {sys.getallocatedblocks()}"
-                             + (f" in {arenas:.0f} MiB of arenas" if arenas is not None else ""))
+                             + (f" ({arenas[1]:.1f} MiB) in {arenas[0]:.0f} MiB of arenas" if arenas is not None else ""))
                 kept = getattr(getattr(session._workload, "runner", None), "results", ())
                 if warm_from is None and elapsed >= WARM_UP_S and len(kept) >= KEPT_RESULTS:
                     warm_from = elapsed
+                if tracemalloc.is_tracing():
+                    parts.insert(0, f"traced {tracemalloc.get_traced_memory()[0] / 2**20:.1f} MiB")
                 print(f"{elapsed / 60:5.1f} min  rss {rss[-1][1]:7.1f} MiB (anon {rss_mib('RssAnon'):.1f}, files "
                       f"{rss_mib('RssFile'):.1f})  step {session.status().step:7d}  requests kept {len(kept)}  "
                       + " · ".join(parts), flush=True)
+                traced_from = warm_from if args.trace_from is None else args.trace_from * 60
+                looking = tracemalloc.is_tracing() or args.census
+                if looking and traced_from is not None and elapsed >= max(traced_from, next_trace):
+                    next_trace = elapsed + 60.0 * (args.census or 5.0)
+                    with quiet(session, views, recorder):
+                        print(holders(session, views, recorder), flush=True)
+                        if args.census:
+                            counts = census()
+                            if first_census is None:
+                                first_census = counts
+                            print_census(first_census, counts, elapsed, args.trace_top)
+                        if tracemalloc.is_tracing():
+                            snapshot = quiet_snapshot()
+                            if baseline is None:
+                                baseline = snapshot
+                                print(f"tracemalloc: baseline at minute {elapsed / 60:.1f}, "
+                                      f"{sum(s.size for s in baseline.statistics('filename')) / 2**20:.2f} MiB traced",
+                                      flush=True)
+                            else:
+                                print_growth(baseline, snapshot, elapsed, args.trace_top)
             if elapsed >= next_check:
                 next_check += 300.0
                 failures += check_views(session, views)
@@ -215,6 +300,90 @@ def main() -> int:
             remote.close()
     print("soak: OK" if not failures else "soak: FAILED\n  " + "\n  ".join(failures))
     return 0 if not failures else 1
+
+
+@contextlib.contextmanager
+def quiet(session: Session, views: dict[str, Poller], recorder: Recorder | None) -> Iterator[None]:
+    """The session paused and everything in flight settled: the views polled (their cell histories written,
+    so that they hold no queued events), the recorder flushed, garbage collected. What is alive then is
+    what stays, so that events in flight neither hide nor fake a growth."""
+    session.pause().result()
+    try:
+        time.sleep(1.0)  # the remote view's events are on their way
+        for poller in views.values():
+            with poller.lock:
+                poller.watcher.poll()
+                for columns in poller.watcher.history._caches.values():
+                    columns.flush()
+        if recorder is not None:
+            recorder.flush()
+        gc.collect()
+        yield
+    finally:
+        session.start().result()
+
+
+def quiet_snapshot() -> tracemalloc.Snapshot:
+    # tracemalloc's own module and the import machinery are not the program's memory
+    return tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__),
+                                                     tracemalloc.Filter(False, "<frozen importlib._bootstrap*>")])
+
+
+def census() -> tuple[collections.Counter, int]:
+    """Objects the collector tracks, by type, and all allocated blocks (strings and numbers included)."""
+    return collections.Counter(type(o).__qualname__ for o in gc.get_objects()), sys.getallocatedblocks()
+
+
+def print_census(first: tuple[collections.Counter, int], now: tuple[collections.Counter, int], elapsed: float,
+                 top: int) -> None:
+    arenas = python_arenas_mib()
+    glibc = glibc_arenas_mib()
+    print(f"census at minute {elapsed / 60:.1f}: {now[1]} blocks ({now[1] - first[1]:+d} since the first)"
+          + (f", {arenas[1]:.1f} MiB in use in {arenas[0]:.0f} MiB of pymalloc arenas" if arenas else "")
+          + ("; glibc arenas in use (of taken), MiB: " + ", ".join(f"{u:.1f} ({t:.1f})" for t, u in glibc)
+             if glibc else "") + "; types that grew most:", flush=True)
+    grown = sorted(((n - first[0].get(t, 0), t, n) for t, n in now[0].items()), reverse=True)
+    print("  " + ", ".join(f"{t} {d:+d} (now {n})" for d, t, n in grown[:top] if d > 0), flush=True)
+
+
+def holders(session: Session, views: dict[str, Poller], recorder: Recorder | None) -> str:
+    """How much each place that may hold events or per-request records holds now (what the differences of
+    --trace-malloc and --census are read against): events alive, each watcher's recent events, queued history
+    entries, remembered jobs and cause texts, the kept requests, the session's queued assignments, the
+    recording's chunk index."""
+    alive = sum(1 for o in gc.get_objects() if issubclass(type(o), engine.events.Event))  # type(): no __class__ lookups
+    parts = [f"events alive {alive}"]
+    for name, poller in views.items():
+        w = poller.watcher
+        queued = sum(len(c._queued) for c in w.history._caches.values())
+        jobs = sum(len(j) for j in w.history.requests.values())
+        parts.append(f"{name}: recent {len(w.recent)}, history queued {queued}, jobs {jobs}, causes {len(w.history._why)}")
+    runner = getattr(session._workload, "runner", None)
+    if runner is not None:
+        parts.append(f"requests kept {len(runner.results)}")
+    parts.append(f"session's assignments queued {session._assignments.pending()}")
+    if recorder is not None:
+        parts.append(f"recording chunks {len(recorder.chunks)}")
+    return "holders: " + " · ".join(parts)
+
+
+def print_growth(baseline: tracemalloc.Snapshot, now: tracemalloc.Snapshot, elapsed: float, top: int) -> None:
+    """The allocations that grew most since the baseline: by line, then the biggest by traceback."""
+    total = sum(s.size for s in now.statistics("filename"))
+    base = sum(s.size for s in baseline.statistics("filename"))
+    print(f"tracemalloc at minute {elapsed / 60:.1f}: {total / 2**20:.2f} MiB traced "
+          f"({(total - base) / 2**20:+.2f} MiB since the baseline); top {top} by line:", flush=True)
+    grown = sorted((s for s in now.compare_to(baseline, "lineno") if s.size_diff > 0), key=lambda s: -s.size_diff)
+    for stat in grown[:top]:
+        print(f"  {stat}")
+    print(f"top {min(top, 10)} by traceback:")
+    grown = sorted((s for s in now.compare_to(baseline, "traceback") if s.size_diff > 0), key=lambda s: -s.size_diff)
+    for stat in grown[:min(top, 10)]:
+        print(f"  {stat.size_diff / 1024:+.1f} KiB, {stat.count_diff:+d} blocks (now {stat.size / 1024:.1f} KiB, "
+              f"{stat.count} blocks)")
+        for line in stat.traceback.format(limit=10, most_recent_first=True):
+            print(f"    {line}")
+    sys.stdout.flush()
 
 
 def check_views(session: Session, views: dict[str, Poller], resume: bool = True) -> list[str]:

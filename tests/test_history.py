@@ -3,6 +3,7 @@ and the one-line story a viewer shows under the cursor."""
 from __future__ import annotations
 
 import random
+import weakref
 
 import pytest
 
@@ -114,3 +115,26 @@ def test_a_long_run_keeps_its_cause_table_and_jobs_bounded_and_the_stories_right
     assert len(history._why) <= 16 and len(history.requests[0]) <= 8
     assert history.explain("kv", 0, 0) == ("freed by the reset for request 59 after decode 58; allocated in decode 59 "
                                            "for seq 0 (request 59), token #13, pos 0")
+
+
+def test_a_history_keeps_few_events_alive_however_many_it_was_fed():
+    """The columns queue whole events (arrays included) until they write them: at most FLUSH_AT per cache, a
+    few hundred, so that a live watcher never holds thousands of events and lets go of them at once (with
+    4096 the soak's resident memory climbed; bench/soak.py)."""
+    assert h._CacheColumns.FLUSH_AT <= 512, "a live watcher would hold (and drop at once) thousands of events"
+    ctx = engine.Context(in_memory_model(), n_ctx=24, pad=8, n_seq_max=1)
+    history, sub = CellHistory(depth=2), ctx.bus.subscribe(maxsize=1 << 20)
+    alive: weakref.WeakSet = weakref.WeakSet()
+    fed = 0
+    for r in range(3 * h._CacheColumns.FLUSH_AT):
+        pos = r % 16
+        if pos == 0:
+            ctx.memory.seq_rm(0, -1, -1)
+        assert ctx.decode(Batch([9 + r % 5], [pos], [[0]])) == 0
+        for event in sub.drain():
+            history.apply(event)
+            fed += isinstance(event, ev.CellsChanged)
+            alive.add(event)
+    assert fed > 3 * h._CacheColumns.FLUSH_AT
+    assert 0 < len(alive) <= h._CacheColumns.FLUSH_AT
+    assert history.entries("kv", 0, 0)[-1].kind == h.ALLOCATED  # what was queued is still there when read

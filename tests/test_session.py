@@ -442,3 +442,18 @@ def test_events_since_gives_what_a_view_has_not_seen_whoever_polled():
         session.step(10).result()
         watcher.poll()
         assert watcher.events - counted > 50 and len(watcher.events_since(counted)) == 50, "as far as recent holds"
+
+
+def test_a_session_keeps_only_the_latest_assignment_of_each_sequence(demo):
+    """Every request publishes which sequence serves it; a session that no watcher joins anew for hours keeps
+    the latest one per sequence for the next watcher's state, not a queue of every request's."""
+    spec = WorkloadSpec("parallel", n_clients=2, n_sequences=0, n_predict=2, arrival_gap=0, sampler=GREEDY)
+    with Session(demo, settings=dict(n_ctx=256, n_seq_max=3, kv_unified=True), workload=spec,
+                 threaded=False) as session:
+        for _ in range(12):
+            session.add_prompt("Who was Moses?", n_predict=2).result()
+        done = session.step(200).result()
+        assert done[-1].phase == "idle"
+        assert session._assignments.pending() == 0, "taken from the queue after each step"
+        assigned = {e.seq_id: e.request for e in session.current_state() if isinstance(e, ev.SequenceAssigned)}
+        assert sorted(assigned) == [1, 2] and {int(r.split()[-1]) for r in assigned.values()} == {10, 11}

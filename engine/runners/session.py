@@ -94,9 +94,13 @@ class Session:
         self._queue: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._closed = False
         self._opened = False  # its state source registered (after the first context's)
-        # what each sequence serves, for the state a new watcher starts from (the runners publish it once)
+        # what each sequence serves, for the state a new watcher starts from (the runners publish it once).
+        # Only the latest per sequence is used, so the worker takes them from the queue after every step:
+        # taken only when a watcher subscribes or resyncs, a session that nobody joins for hours kept every
+        # request's assignment queued, up to the queue's 65536 (~25 MiB).
         self._assignments = self.bus.subscribe(kinds=(ev.SequenceAssigned,), with_state=False)
         self._assigned: dict[int, ev.SequenceAssigned] = {}
+        self._assigned_lock = threading.Lock()  # the worker takes assignments while a subscriber reads them
         self.threaded = threaded
         self._thread: threading.Thread | None = None
         if threaded:
@@ -417,6 +421,7 @@ class Session:
             log.exception("the %s workload failed", self._workload.name)
             self._set_state("paused", f"the {self._workload.name} workload failed: {type(e).__name__}: {e}")
             return IDLE
+        self._take_assignments()
         if outcome.phase == "idle":
             self._idle_since_command = True
             if self._state == "running":
@@ -526,12 +531,18 @@ class Session:
     # ---- helpers ---------------------------------------------------------------------------------
     def _state_events(self) -> list[ev.Event]:
         """The session's part of a new watcher's starting state: its status, and the sequences' jobs."""
-        for event in self._assignments.drain():
-            self._assigned[event.seq_id] = event
+        assigned = self._take_assignments()
         status = self.status()
         workload_state = getattr(self._workload, "state_events", None)  # e.g. a server's slots and checkpoints
         return [ev.SessionStatus(status.state, status.step, status.workload, status.steps_per_second),
-                *self._assigned.values(), *(workload_state() if workload_state else [])]
+                *assigned, *(workload_state() if workload_state else [])]
+
+    def _take_assignments(self) -> list[ev.SequenceAssigned]:
+        """Keep the latest assignment of each sequence from those queued; returns them all."""
+        with self._assigned_lock:
+            for event in self._assignments.drain():
+                self._assigned[event.seq_id] = event
+            return list(self._assigned.values())
 
     def _new_context(self, settings: dict, spec: WorkloadSpec, model: Model | None = None) -> Context:
         settings = dict(settings)

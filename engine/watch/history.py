@@ -45,7 +45,12 @@ class _CacheColumns:
     vectorised step when someone reads, or when enough have queued: the watch layer absorbs events at
     the engine's pace, and history is read only when a person moves a cursor."""
 
-    FLUSH_AT = 4096  # queued changes that trigger a write, bounding the queue's memory
+    # Queued events that trigger a write. The queue holds whole events (their arrays included), so this bounds
+    # what a watcher keeps alive besides its `recent` events: at 4096 a live watcher of an iSWA context held up
+    # to 8192 events (~10 MiB) and let go of them at once, a saw whose peaks kept pymalloc's arenas and the
+    # threads' glibc arenas growing in bench/soak.py (~1 MiB a minute). A write costs the same per event at 256
+    # (bench/watch.py's events, writes included: ~70k events/s either way).
+    FLUSH_AT = 256
 
     def __init__(self, n_stream: int, size: int, depth: int) -> None:
         self.size, self.depth = size, depth
