@@ -40,17 +40,14 @@ class UbatchAttention:
         self.n_groups = len(sinfo.streams)
         self.n_kv = cache.n_kv(sinfo.streams)
         streams = list(sinfo.streams)
-        consecutive = streams == list(range(streams[0], streams[0] + len(streams)))
-        # a slice reads the storage in place; only streams out of order are gathered (a copy)
-        self._stream_slice = (slice(streams[0], streams[0] + len(streams)) if consecutive else
+        self._stream_slice = (slice(streams[0], streams[0] + 1) if self.n_groups == 1 else
                               torch.tensor(streams, dtype=torch.long))
         n_per = sinfo.n_per_stream
         self.token_streams = np.repeat(streams, n_per)  # the stream of each ubatch token
         self._token_stream = torch.from_numpy(self.token_streams.astype(np.int64))
         self._token_cell = torch.from_numpy(np.concatenate(sinfo.idxs).astype(np.int64))
         self.mask = self._build_mask(sinfo, ubatch)  # [groups, 1, n_per, n_kv] bool, True = attend
-        # the mask the layers get: additive (0 attend, -inf masked), made once per device and dtype
-        self._mask_on: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._mask_on: dict[torch.device, torch.Tensor] = {self.mask.device: self.mask}
 
     def _build_mask(self, sinfo: SlotInfo, ubatch: UBatch) -> torch.Tensor:
         cache, n_kv = self.cache, self.n_kv
@@ -68,10 +65,7 @@ class UbatchAttention:
 
     def store_and_load(self, il: int, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype):
         """k, v: [n_tokens, n_embd_k|v]. Returns K, V as [groups, n_head_kv, n_kv, head_dim] and the
-        layer's KQ mask [groups, 1, tokens per group, n_kv], additive in dtype (0 = attend, -inf =
-        masked). K and V are views of the cache rows, strided, in the cache's float type (f16 stays
-        f16: the attention converts a piece at a time, never the whole cache); quantized types come
-        dequantized to dtype."""
+        layer's KQ mask [groups, 1, tokens per group, n_kv] (True = attend)."""
         cache = self.cache
         i = cache.layer_index[il]
         lo = cache.layout
@@ -79,20 +73,11 @@ class UbatchAttention:
         out = []
         for rows, new in ((cache.k[i], k), (cache.v[i], v)):
             rows.write(self._token_stream, self._token_cell, new)
-            out.append(rows.rows_view(self._stream_slice, self.n_kv, dtype).to(k.device).view(shape).transpose(1, 2))
-        return out[0], out[1], self.additive_mask(k.device, dtype)
-
-    def additive_mask(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """The KQ mask as [groups, 1, tokens per group, n_kv] in dtype, 0 where a token attends and
-        -inf elsewhere: built on the host once per ubatch, one copy per device whose layers attend."""
-        mask = self._mask_on.get((device, dtype))
-        if mask is None:
-            host = self._mask_on.get((torch.device("cpu"), dtype))
-            if host is None:
-                host = torch.zeros(self.mask.shape, dtype=dtype).masked_fill_(~self.mask, float("-inf"))
-                self._mask_on[torch.device("cpu"), dtype] = host
-            mask = self._mask_on[device, dtype] = host.to(device)
-        return mask
+            out.append(rows.read(self._stream_slice, self.n_kv, dtype).to(k.device).view(shape).transpose(1, 2))
+        mask = self._mask_on.get(k.device)
+        if mask is None:  # built on the host once; one copy per device whose layers attend
+            mask = self._mask_on[k.device] = self.mask.to(k.device)
+        return out[0], out[1], mask
 
     def parts(self) -> tuple[UbatchAttention, ...]:
         """The attention inputs of each cache behind this object: just this one."""

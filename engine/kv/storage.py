@@ -56,17 +56,6 @@ class RowStorage:
             return self.data[streams, :, :n_kv].transpose(-1, -2).to(dtype)
         return self.data[streams, :n_kv].to(dtype)
 
-    def rows_view(self, streams: slice | torch.Tensor, n_kv: int, dtype: torch.dtype) -> torch.Tensor:
-        """The first n_kv rows of the selected streams as [n_streams, n_kv, width], read the cheapest
-        way: float types stay in their storage dtype, as a view of the storage when `streams` is a
-        slice (strided when transposed); the reader converts as it goes. Quantized types are
-        dequantized to dtype (a copy)."""
-        if self.ctype.is_quantized:
-            return self.read(streams, n_kv, dtype)
-        if self.transposed:
-            return self.data[streams, :, :n_kv].transpose(-1, -2)
-        return self.data[streams, :n_kv]
-
     def read_cells(self, stream: int, cells: torch.Tensor) -> torch.Tensor:
         """Rows of some cells of one stream as float32 [N, width]."""
         if self.ctype.is_quantized:

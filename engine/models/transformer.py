@@ -37,11 +37,9 @@ from engine.rope import Rotary, to_norm_order
 
 class AttentionInputs(Protocol):
     """What the cache gives the model for one ubatch. Tokens are grouped per stream (n_groups
-    groups of equal size); store_and_load returns K, V [groups, n_head_kv, n_kv, head_dim] (any
-    float dtype, possibly strided views of the cache: the attention converts as it reads) and the
-    layer's mask [groups, 1, tokens per group, n_kv], which differs between sliding-window and
-    full-attention layers: bool (True = attend) or additive in the compute dtype (0 = attend,
-    -inf = masked)."""
+    groups of equal size); store_and_load returns K, V [groups, n_head_kv, n_kv, head_dim] and the
+    layer's mask [groups, 1, tokens per group, n_kv] (True = attend), which differs between
+    sliding-window and full-attention layers."""
 
     n_groups: int
 
@@ -129,75 +127,23 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(x / cap) * cap
 
 
-def masked(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """scores with masked entries set to -inf; mask broadcasts to scores and is bool (True = attend) or
-    additive (0 = attend, -inf = masked): the same values either way."""
-    if mask.dtype == torch.bool:
-        return scores.masked_fill(~mask, float("-inf"))
-    return scores + mask
-
-
 def softcapped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                          scale: float, cap: float) -> torch.Tensor:
     """Attention with soft-capped logits (gemma2), computed as HF's eager attention does.
 
-    q [G, H, Tg, D]; keys, values [G, Hkv, n_kv, D]; mask [G, 1, Tg, n_kv] (bool or additive).
+    q [G, H, Tg, D]; keys, values [G, Hkv, n_kv, D]; mask [G, 1, Tg, n_kv] (True = attend).
     Query head h reads KV head h // (H / Hkv): the query heads of a group are stacked along the
     token axis so that K and V are never copied per head. Returns [G, H, Tg, D]."""
     G, H, Tg, D = q.shape
     Hkv = keys.shape[1]
     n_rep = H // Hkv
     qg = q.reshape(G, Hkv, n_rep * Tg, D)
-    scores = (qg @ keys.to(q.dtype).transpose(-1, -2)) * scale  # [G, Hkv, n_rep * Tg, n_kv]
-    scores = masked(softcap(scores, cap).view(G, Hkv, n_rep, Tg, -1), mask[:, :, None])
+    scores = (qg @ keys.transpose(-1, -2)) * scale  # [G, Hkv, n_rep * Tg, n_kv]
+    scores = softcap(scores, cap).view(G, Hkv, n_rep, Tg, -1)
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = probs.view(G, Hkv, n_rep * Tg, -1) @ values.to(q.dtype)  # [G, Hkv, n_rep * Tg, D]
+    out = probs.view(G, Hkv, n_rep * Tg, -1) @ values  # [G, Hkv, n_rep * Tg, D]
     return out.view(G, H, Tg, D)
-
-
-CHUNK_BYTES = 1 << 20  # cache rows read per piece by cache_attention: about what one core's L2 holds
-SMALL_GROUP = 16  # tokens per group up to which attention reads the cache in pieces (decode, few sequences)
-
-
-def chunk_cells(rows: torch.Tensor) -> int:
-    """Cells per piece when reading rows [G, Hkv, n_kv, D] of the cache: CHUNK_BYTES of storage."""
-    row_bytes = rows.shape[1] * rows.shape[3] * rows.element_size()
-    return max(256, CHUNK_BYTES // row_bytes // 256 * 256)
-
-
-def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                    scale: float, cap: float = 0.0) -> torch.Tensor:
-    """Attention of a few tokens per group over cache rows, reading K and V in pieces of cells.
-
-    q [G, H, Tg, D] in the compute dtype; keys, values [G, Hkv, n_kv, D] in any float dtype, usually
-    strided views of the cache rows ([cells, Hkv * D] per stream, or V transposed); mask [G, 1, Tg,
-    n_kv] (bool or additive). Query head h reads KV head h // (H / Hkv): a KV head's query heads are
-    stacked along the token axis, so K and V are never repeated per head. Each piece of CHUNK_BYTES
-    of cache rows is converted to the compute dtype (a no-op for the same dtype) and multiplied while
-    it is in cache: the whole cache is never copied, nor read head by head across all of memory (a
-    KV head's rows are 1/Hkv of each cache row, so one head's pass over n_kv cells strides through
-    all of the layer's rows). Scores are [Hkv, H / Hkv * Tg, n_kv]: small while Tg is. cap > 0:
-    soft-capped logits (gemma2) as softcapped_attention. Returns [G, H, Tg, D]."""
-    G, H, Tg, D = q.shape
-    Hkv, n_kv = keys.shape[1], keys.shape[2]
-    n_rep = H // Hkv
-    step = chunk_cells(keys)
-    out = []
-    for g in range(G):
-        qg = q[g].reshape(Hkv, n_rep * Tg, D)
-        kg, vg = keys[g], values[g]
-        scores = torch.cat([qg @ kg[:, a:a + step].to(q.dtype).transpose(-1, -2) for a in range(0, n_kv, step)],
-                           dim=-1) if n_kv > step else qg @ kg.to(q.dtype).transpose(-1, -2)
-        scores = scores * scale  # [Hkv, n_rep * Tg, n_kv]
-        if cap:
-            scores = softcap(scores, cap)
-        scores = masked(scores.view(Hkv, n_rep, Tg, n_kv), mask[g])
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).view(Hkv, n_rep * Tg, n_kv)
-        og = probs[:, :, :step] @ vg[:, :step].to(q.dtype)  # [Hkv, n_rep * Tg, D]
-        for a in range(step, n_kv, step):  # out of place: autograd may be recording (forward_train)
-            og = torch.baddbmm(og, probs[:, :, a:a + step], vg[:, a:a + step].to(q.dtype))
-        out.append(og)
-    return (out[0] if G == 1 else torch.stack(out)).view(G, H, Tg, D)
 
 
 def attention_weights(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, rows: list[int], scale: float,
@@ -206,7 +152,7 @@ def attention_weights(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, r
     float32, 0 on masked cells. Scores are formed in the compute dtype, scaled, soft-capped (cap > 0)
     and masked as the real attention does, then normalised in float32.
 
-    q [G, H, Tg, D]; keys [G, Hkv, n_kv, D]; mask [G, 1, Tg, n_kv] (bool or additive); rows index the
+    q [G, H, Tg, D]; keys [G, Hkv, n_kv, D]; mask [G, 1, Tg, n_kv] (True = attend); rows index the
     ubatch's tokens group after group. Rows are taken a group at a time, so that a group's K is read
     in place rather than copied per row."""
     _, H, Tg, D = q.shape
@@ -220,10 +166,10 @@ def attention_weights(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, r
         # consecutive rows (one per sequence in a decode step) as a slice: views, not gathers
         t = slice(ts[0], ts[0] + P) if ts[-1] - ts[0] == P - 1 else torch.tensor(ts, device=q.device)
         qg = q[g][:, t].reshape(Hkv, (H // Hkv) * P, D)  # query head h reads KV head h // (H / Hkv)
-        scores = (qg @ keys[g].to(q.dtype).transpose(-1, -2)) * scale  # [Hkv, n_rep * P, n_kv]
+        scores = (qg @ keys[g].transpose(-1, -2)) * scale  # [Hkv, n_rep * P, n_kv]
         if cap:
             scores = softcap(scores, cap)
-        scores = masked(scores.view(Hkv, H // Hkv, P, n_kv), mask[g, 0, t])
+        scores = torch.where(mask[g, 0, t], scores.view(Hkv, H // Hkv, P, n_kv), float("-inf"))
         out.append(torch.softmax(scores, dim=-1, dtype=torch.float32).mean(dim=(0, 1)))
     return out[0] if len(out) == 1 else torch.cat(out)
 
@@ -395,13 +341,11 @@ class Transformer:
         keys, values, mask = attn.store_and_load(il, k.reshape(T, -1), to(v, devs.wqkv, devs.kv),
                                                  self.dtype)  # [G, Hkv, n_kv, D]
         q = q.view(G, T // G, cfg.n_head, cfg.head_dim).transpose(1, 2)  # [G, H, T/G, D]
-        if T // G <= SMALL_GROUP:  # decode: read the cache in pieces, in its own layout and type
-            o = cache_attention(q, keys, values, mask, cfg.attn_scale, cfg.attn_softcap)
-        elif cfg.attn_softcap:
+        if cfg.attn_softcap:
             o = softcapped_attention(q, keys, values, mask, cfg.attn_scale, cfg.attn_softcap)
-        else:  # many tokens: the fused kernel, over K and V in the compute dtype (one conversion per ubatch)
-            o = F.scaled_dot_product_attention(q, keys.to(self.dtype), values.to(self.dtype), attn_mask=mask,
-                                               enable_gqa=True, scale=self.attn_scale)
+        else:
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True,
+                                               scale=self.attn_scale)
         if probe is not None:  # from the same q, K and mask, after the real attention, which it leaves alone
             probe.keep(il, attention_weights(q, keys, mask, probe.rows, cfg.attn_scale, cfg.attn_softcap))
         o = o.transpose(1, 2).reshape(T, cfg.n_head * cfg.head_dim)
