@@ -1,38 +1,116 @@
-"""Decode and prompt speed of kvscope's engine against transformers `generate`, and the event overhead.
+"""Decode and prompt speed of kvscope's engine against transformers and llama.cpp, and the event overhead.
 
-A ~100M-parameter llama with random weights is written on the fly (nothing is downloaded); both
-engines run it in f32, greedy, batch 1: a 128-token prompt, then 128 new tokens. Runs are
-interleaved and medians reported, because other jobs share the machine and absolute times swing.
+A ~100M-parameter llama with random weights is written on the fly (nothing is downloaded), as a
+Hugging Face folder (for transformers) and as a GGUF of it (for kvscope and llama.cpp: the same file
+for both). Greedy, batch 1: a 128-token prompt, then 128 new tokens. Runs are interleaved and medians
+reported, because other jobs share the machine and absolute times swing.
 
-    python bench/decode.py [--reps 3] [--prompt 128] [--new 128]
+    python bench/decode.py [--reps 3] [--prompt 128] [--new 128] [--weights F32|Q8_0|Q4_0|Q4_K|Q6_K]
+
+llama.cpp is the optional third engine: it runs when llama-cpp-python is installed (it is not a
+kvscope dependency; building it takes ~10 minutes:
+`CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DGGML_OPENMP=ON" pip install llama-cpp-python==0.3.36`).
+Both engines' times are their own decode timers (llama_perf_context and Context.perf), which count
+the same thing: the time inside decode. --weights writes the GGUF's matrices in that type (norms stay
+F32); kvscope keeps quantized weights packed. The last prompt token's logits of kvscope and llama.cpp
+are compared (llama.cpp quantizes activations for its quantized dot products: they differ a little).
+
+--context N[,N...] measures instead how decode time per token grows with the cells attention reads:
+for each N and cache type (--cache-types, default f32) the cache is filled with N cells of one
+sequence, then single-token decodes are timed by the wall clock (the median of --decodes), in
+kvscope and in llama.cpp. kvscope's cells are filled without running the model (--fill synthetic,
+the default: the same cells and random K/V rows; the decodes that follow are the real ones) or by
+prefilling (--fill model); llama.cpp always prefills.
+
+    python bench/decode.py --context 256,1024,4096,8192,32768 [--cache-types f32,f16] [--decodes 16]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import engine
+from engine.batch import Batch
 from engine.models.transformer import project
 from engine.runners.generate import Generator
 from engine.sampling import SamplerParams
 
 CONFIG = dict(vocab_size=16000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
               num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048)
+N_UBATCH = 512
+GGML_CACHE_TYPES = {"f32": 0, "f16": 1, "q8_0": 8, "q4_0": 2}
 
 
-def write_model(folder: Path) -> Path:
-    """A random llama saved as safetensors with a tokenizer, through the project's test writer."""
-    from engine.testing import write_hf_model
+def write_models(folder: Path, weights: str, n_ctx_train: int = CONFIG["max_position_embeddings"]) -> tuple[Path, Path]:
+    """The random llama as a Hugging Face folder and as a GGUF with `weights`-typed matrices."""
+    from engine.testing import write_gguf_from_hf, write_hf_model
 
-    return write_hf_model(folder / "bench-llama", "llama", n_layer=CONFIG["num_hidden_layers"],
-                          n_embd=CONFIG["hidden_size"], n_head=CONFIG["num_attention_heads"],
-                          n_head_kv=CONFIG["num_key_value_heads"], n_ff=CONFIG["intermediate_size"],
-                          vocab_size=CONFIG["vocab_size"], seed=0)
+    hf = write_hf_model(folder / "bench-llama", "llama", n_layer=CONFIG["num_hidden_layers"],
+                        n_embd=CONFIG["hidden_size"], n_head=CONFIG["num_attention_heads"],
+                        n_head_kv=CONFIG["num_key_value_heads"], n_ff=CONFIG["intermediate_size"],
+                        vocab_size=CONFIG["vocab_size"], seed=0, n_ctx_train=n_ctx_train)
+    return hf, write_gguf_from_hf(hf, folder / f"bench-llama-{weights}.gguf", tensor_type=weights)
+
+
+def llama_cpp_module():
+    """llama_cpp when installed, else None (the third engine is optional)."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    return llama_cpp
+
+
+class LlamaCpp:
+    """One llama.cpp context on the GGUF, driven token by token through llama-cpp-python."""
+
+    def __init__(self, gguf: Path, n_ctx: int, cache_type: str = "f32") -> None:
+        self.lib = llama_cpp_module()
+        threads = torch.get_num_threads()
+        self.llm = self.lib.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=N_UBATCH, n_ubatch=N_UBATCH,
+                                  n_threads=threads, n_threads_batch=threads, type_k=GGML_CACHE_TYPES[cache_type],
+                                  type_v=GGML_CACHE_TYPES[cache_type], verbose=False)
+        self.ctx = self.llm._ctx.ctx
+        self.n_vocab = self.llm.n_vocab()
+
+    def last_logits(self) -> np.ndarray:
+        """The last decoded token's logits (llama_get_logits_ith: `scores` is stale without logits_all)."""
+        return np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab,)).copy()
+
+    def reset(self) -> None:
+        self.llm.reset()
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
+        self.lib.llama_perf_context_reset(self.ctx)
+
+    def generate(self, prompt: list[int], n_new: int) -> tuple[float, float, np.ndarray]:
+        """(prompt tokens/s, decode tokens/s, the last prompt token's logits), greedy."""
+        self.reset()
+        self.llm.eval(prompt)
+        prompt_logits = self.last_logits()
+        token = int(prompt_logits.argmax())
+        for _ in range(n_new - 1):
+            self.llm.eval([token])
+            token = int(self.last_logits().argmax())
+        perf = self.lib.llama_perf_context(self.ctx)
+        return perf.n_p_eval / (perf.t_p_eval_ms / 1e3), perf.n_eval / (perf.t_eval_ms / 1e3), prompt_logits
+
+    def decode_ms_after(self, tokens: list[int], n_cells: int, n_decodes: int) -> list[float]:
+        """ms per single-token decode (wall clock), n_decodes after prefilling n_cells tokens."""
+        self.reset()
+        self.llm.eval(tokens[:n_cells])
+        times = []
+        for j in range(n_decodes + 2):  # two warm-up decodes
+            t0 = time.perf_counter()
+            self.llm.eval([tokens[n_cells + j]])
+            times.append((time.perf_counter() - t0) * 1e3)
+        return times[2:]
 
 
 def run_transformers(hf, prompt: list[int], n_new: int) -> tuple[float, float]:
@@ -50,12 +128,16 @@ def run_transformers(hf, prompt: list[int], n_new: int) -> tuple[float, float]:
     return len(prompt) / t_prompt, (n_new - 1) / max(t_gen - t_prompt, 1e-9)
 
 
-def run_kvscope(model, prompt: list[int], n_new: int, with_subscriber: bool) -> tuple[float, float, int]:
-    """(prompt tokens/s, decode tokens/s, events recorded)."""
+def run_kvscope(model, prompt: list[int], n_new: int, with_subscriber: bool) -> tuple[float, float, int, np.ndarray]:
+    """(prompt tokens/s, decode tokens/s, events recorded, the last prompt token's logits)."""
     bus = engine.EventBus()
     recorded: list = []
     sub = bus.subscribe_callback(recorded.append) if with_subscriber else None
-    ctx = engine.Context(model, n_ctx=512, n_batch=512, n_ubatch=512, bus=bus)
+    first = engine.Context(model, n_ctx=512, n_batch=N_UBATCH, n_ubatch=N_UBATCH)
+    assert first.decode(Batch.for_sequence(prompt, 0, 0)) == 0
+    prompt_logits = first.logits(-1).numpy().copy()
+    del first
+    ctx = engine.Context(model, n_ctx=512, n_batch=N_UBATCH, n_ubatch=N_UBATCH, bus=bus)
     gen = Generator(ctx, SamplerParams(temperature=0.0, seed=0))
     result = gen.generate(prompt, n_new)
     assert len(result.tokens) == n_new, result.stop_reason
@@ -65,15 +147,18 @@ def run_kvscope(model, prompt: list[int], n_new: int, with_subscriber: bool) -> 
             time.sleep(0.01)
         sub.close()
     perf = ctx.perf
-    return (perf.n_p_eval / (perf.t_p_eval_ms / 1e3), perf.n_eval / (perf.t_eval_ms / 1e3), len(recorded))
+    return (perf.n_p_eval / (perf.t_p_eval_ms / 1e3), perf.n_eval / (perf.t_eval_ms / 1e3), len(recorded),
+            prompt_logits)
 
 
-def weight_streaming_floor(model, reps: int = 10) -> float:
+def weight_streaming_floor(model, reps: int = 10) -> float | None:
     """Tokens/s if a decode step did nothing but read every weight matrix once (one vector-matrix
-    product each, in the engine's column-blocked layout):
-    about the memory-bandwidth ceiling of any f32 engine on this machine."""
+    product each, in the engine's layout): about the memory-bandwidth ceiling of any engine holding
+    these weights on this machine. None for packed weights (their kernels are the floor)."""
     tf = model.transformer
     mats = [tf.lm_head_t] + [w for layer in tf.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+    if any(not isinstance(m, torch.Tensor) for m in mats):
+        return None
     xs = {m.shape[1]: torch.randn(1, m.shape[1]) for m in mats}
     times = []
     with torch.no_grad():
@@ -85,52 +170,200 @@ def weight_streaming_floor(model, reps: int = 10) -> float:
     return 1.0 / statistics.median(times)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--prompt", type=int, default=128)
-    parser.add_argument("--new", type=int, default=128)
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    from transformers import AutoModelForCausalLM
+def weight_bytes(model) -> int:
+    tf = model.transformer
+    return sum(tf.weight_bytes_by_device(tf.weight_devices).values())
 
+
+def logits_agreement(ours: np.ndarray, theirs: np.ndarray) -> str:
+    """How far two logit rows are apart, in words with numbers."""
+    diff = np.abs(ours - theirs)
+    scale = np.abs(theirs).max()
+    return (f"max |diff| {diff.max():.4g} ({diff.max() / scale:.2%} of the largest |logit|), mean |diff| "
+            f"{diff.mean():.4g}, top-1 {'same' if ours.argmax() == theirs.argmax() else 'DIFFERENT'}")
+
+
+def speed_main(args) -> None:
+    lib = None if args.no_llama_cpp else llama_cpp_module()
+    with_transformers = args.weights == "F32" and not args.no_transformers
     with tempfile.TemporaryDirectory() as tmp:
-        folder = write_model(Path(tmp))
-        model = engine.load_model(folder)
-        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    print(f"model: llama, {model.transformer.n_params() / 1e6:.1f} M parameters, f32, torch threads "
-          f"{torch.get_num_threads()}")
+        folder, gguf = write_models(Path(tmp), args.weights)
+        model = engine.load_model(gguf)
+        hf = None
+        if with_transformers:
+            from transformers import AutoModelForCausalLM
+
+            hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        llama = LlamaCpp(gguf, n_ctx=512) if lib is not None else None
+        file_bytes = gguf.stat().st_size
+    print(f"model: llama, {model.transformer.n_params() / 1e6:.1f} M parameters, {args.weights} weights "
+          f"(GGUF {file_bytes / 2**20:.1f} MiB; kvscope holds {weight_bytes(model) / 2**20:.1f} MiB), "
+          f"f32 compute and cache, torch threads {torch.get_num_threads()}")
+    if lib is None:
+        print("llama.cpp: not run (" + ("--no-llama-cpp)" if args.no_llama_cpp else "llama-cpp-python is not installed)"))
     prompt = torch.randint(3, model.n_vocab, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
-    rows: dict[str, list[tuple[float, ...]]] = {"transformers": [], "kvscope": [], "kvscope+events": []}
+    rows: dict[str, list[tuple[float, ...]]] = {"kvscope": [], "kvscope+events": []}
+    if hf is not None:
+        rows["transformers"] = []
+    if llama is not None:
+        rows["llama.cpp"] = []
     run_kvscope(model, prompt[:8], 4, False)  # warm-up
-    floors, n_events = [], 0
+    if llama is not None:
+        llama.generate(prompt[:8], 4)
+    floors, n_events, logits = [], 0, {}
     for rep in range(args.reps):
         floors.append(weight_streaming_floor(model))
-        rows["transformers"].append(run_transformers(hf, prompt, args.new))
+        if hf is not None:
+            rows["transformers"].append(run_transformers(hf, prompt, args.new))
+        if llama is not None:
+            p, d, logits["llama.cpp"] = llama.generate(prompt, args.new)
+            rows["llama.cpp"].append((p, d))
         # Alternate which kvscope run goes first, so that neither always follows the other.
         for with_events in ((False, True) if rep % 2 == 0 else (True, False)):
-            p, d, n = run_kvscope(model, prompt, args.new, with_events)
+            p, d, n, logits["kvscope"] = run_kvscope(model, prompt, args.new, with_events)
             rows["kvscope+events" if with_events else "kvscope"].append((p, d))
             n_events = n if with_events else n_events
-        print(f"rep {rep + 1}: " + ", ".join(f"{k} decode {v[-1][1]:.1f} tok/s" for k, v in rows.items()))
+        print(f"rep {rep + 1}: " + ", ".join(f"{k} decode {v[-1][1]:.1f} tok/s" for k, v in rows.items()), flush=True)
 
     def paired(a: str, b: str, i: int) -> float:
-        """Median over reps of the per-rep ratio a / b (pairs run back to back)."""
+        """Median over reps of the per-rep ratio a / b (runs of one rep follow each other)."""
         return statistics.median(x[i] / y[i] for x, y in zip(rows[a], rows[b]))
 
     med = {k: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v)) for k, v in rows.items()}
     print(f"\n{'':16s} {'prompt tok/s':>13s} {'decode tok/s':>13s}")
     for k, (p, d) in med.items():
         print(f"{k:16s} {p:13.1f} {d:13.1f}")
-    floor = statistics.median(floors)
-    print(f"{'weights floor':16s} {'':13s} {floor:13.1f}   (one matvec per weight matrix, nothing else)")
-    print(f"\ndecode speed ratio kvscope / transformers: {paired('kvscope', 'transformers', 1):.2f}x")
-    print(f"prompt speed ratio kvscope / transformers: {paired('kvscope', 'transformers', 0):.2f}x")
-    print(f"decode speed as a share of the weights floor: kvscope {med['kvscope'][1] / floor:.0%}, "
-          f"transformers {med['transformers'][1] / floor:.0%}")
+    floor = None if None in floors else statistics.median(floors)
+    if floor is not None:
+        print(f"{'weights floor':16s} {'':13s} {floor:13.1f}   (one matvec per weight matrix, nothing else)")
+    print()
+    for other in ("llama.cpp", "transformers"):
+        if other in rows:
+            print(f"decode speed ratio kvscope / {other}: {paired('kvscope', other, 1):.2f}x")
+            print(f"prompt speed ratio kvscope / {other}: {paired('kvscope', other, 0):.2f}x")
+    if floor is not None:
+        print("decode speed as a share of the weights floor: "
+              + ", ".join(f"{k} {med[k][1] / floor:.0%}" for k in rows if k != "kvscope+events"))
     overhead = 1 - paired("kvscope+events", "kvscope", 1)
     print(f"event overhead (recording subscriber vs none), decode: {overhead * 100:+.2f}% "
           f"({n_events} events per generation)")
+    if "llama.cpp" in logits:
+        print(f"last prompt token's logits, kvscope vs llama.cpp: {logits_agreement(logits['kvscope'], logits['llama.cpp'])}")
+
+
+def synthetic_forward(transformer, n_vocab: int):
+    """A stand-in for Transformer.forward that stores random K/V rows for every layer of each cache
+    the ubatch writes (the cells themselves are placed by the real slot search) and returns zero
+    logits: a fast fill of N cells that runs no model."""
+    gen = torch.Generator().manual_seed(2)
+
+    def forward(tokens, positions, attn, output_rows, should_abort=None, *, probe=None):
+        for part in attn.parts():
+            cache = part.cache
+            for rows in (*cache.k, *cache.v):
+                new = torch.randn(len(tokens), rows.width, generator=gen)
+                rows.write(part._token_stream.to(rows.device), part._token_cell.to(rows.device), new)
+        return torch.zeros(len(output_rows), n_vocab)
+
+    return forward
+
+
+def kvscope_decode_ms_after(model, tokens: list[int], n_cells: int, cache_type: str, n_decodes: int,
+                            fill: str) -> list[float]:
+    """ms per single-token decode (wall clock) of one sequence, n_decodes after n_cells cached cells."""
+    n_ctx = (n_cells + n_decodes + 4 + 255) // 256 * 256
+    ctx = engine.Context(model, n_ctx=n_ctx, n_batch=N_UBATCH, n_ubatch=N_UBATCH, type_k=cache_type,
+                         type_v=cache_type)
+    tf = model.transformer
+    if fill == "synthetic":
+        tf.forward = synthetic_forward(tf, model.n_vocab)  # an instance attribute: removed below
+    try:
+        for i in range(0, n_cells, N_UBATCH):
+            assert ctx.decode(Batch.for_sequence(tokens[i:min(i + N_UBATCH, n_cells)], 0, i)) == 0
+    finally:
+        vars(tf).pop("forward", None)
+    times = []
+    for j in range(n_decodes + 2):  # two warm-up decodes
+        pos = n_cells + j
+        t0 = time.perf_counter()
+        assert ctx.decode(Batch.for_sequence([tokens[pos]], 0, pos)) == 0
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times[2:]
+
+
+def context_main(args) -> None:
+    sizes = [int(n) for part in args.context for n in part.split(",") if n]
+    types = [t for t in args.cache_types.split(",") if t]
+    lib = None if args.no_llama_cpp else llama_cpp_module()
+    n_ctx_train = max(CONFIG["max_position_embeddings"], max(sizes) + args.decodes + 512)
+    with tempfile.TemporaryDirectory() as tmp:
+        _, gguf = write_models(Path(tmp), args.weights, n_ctx_train)
+        model = engine.load_model(gguf)
+        llamas = {}
+        if lib is not None:
+            n_ctx = (max(sizes) + args.decodes + 4 + 255) // 256 * 256
+            llamas = {t: LlamaCpp(gguf, n_ctx, t) for t in types}
+    print(f"model: llama, {model.transformer.n_params() / 1e6:.1f} M parameters, {args.weights} weights, torch "
+          f"threads {torch.get_num_threads()}, kvscope fill: {args.fill}; llama.cpp: "
+          f"{'prefilled' if llamas else 'not run'}")
+    tokens = torch.randint(3, model.n_vocab, (max(sizes) + args.decodes + 2,),
+                           generator=torch.Generator().manual_seed(1)).tolist()
+    kvscope_decode_ms_after(model, tokens, 256, types[0], 2, "synthetic")  # warm-up
+    results: dict[tuple[str, int, str], list[float]] = {}
+    for _ in range(args.reps):
+        for n in sizes:
+            for t in types:
+                results.setdefault(("kvscope", n, t), []).extend(
+                    kvscope_decode_ms_after(model, tokens, n, t, args.decodes, args.fill))
+                if t in llamas:
+                    results.setdefault(("llama.cpp", n, t), []).extend(
+                        llamas[t].decode_ms_after(tokens, n, args.decodes))
+                print(f"{n} cells, {t}: " + ", ".join(f"{e} {statistics.median(v):.1f} ms"
+                                                       for (e, m, c), v in results.items() if (m, c) == (n, t)),
+                      flush=True)
+    print(f"\ndecode ms per token (median of {args.reps} x {args.decodes})")
+    header = " ".join(f"{'kvscope ' + t:>12s}" + (f" {'llama.cpp ' + t:>14s} {'ratio':>6s}" if llamas else "")
+                      for t in types)
+    print(f"{'cells':>8s} {header}")
+    for n in sizes:
+        cols = []
+        for t in types:
+            ours = statistics.median(results["kvscope", n, t])
+            cols.append(f"{ours:12.1f}")
+            if ("llama.cpp", n, t) in results:
+                theirs = statistics.median(results["llama.cpp", n, t])
+                cols.append(f"{theirs:14.1f} {ours / theirs:6.2f}")
+        print(f"{n:8d} " + " ".join(cols))
+    if args.json:
+        Path(args.json).write_text(json.dumps([
+            {"engine": e, "cells": n, "type": t, "median_ms": statistics.median(v), "ms": v}
+            for (e, n, t), v in results.items()]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=None, help="default 3; with --context 1")
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--weights", default="F32", choices=("F32", "F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K"),
+                        help="type of the GGUF's weight matrices (norms stay F32)")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even when installed")
+    parser.add_argument("--no-transformers", action="store_true", help="skip transformers")
+    parser.add_argument("--context", action="append", default=[],
+                        help="cells before the timed decodes, e.g. 256,1024,4096,8192 (repeatable)")
+    parser.add_argument("--cache-types", default="f32", help="with --context: K and V cache types, e.g. f32,f16")
+    parser.add_argument("--decodes", type=int, default=16, help="with --context: timed decodes per run")
+    parser.add_argument("--fill", choices=("synthetic", "model"), default="synthetic",
+                        help="with --context: how kvscope's N cells are filled")
+    parser.add_argument("--json", help="with --context: also write every time to this file")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    if args.context:
+        args.reps = args.reps or 1
+        context_main(args)
+    else:
+        args.reps = args.reps or 3
+        speed_main(args)
 
 
 if __name__ == "__main__":

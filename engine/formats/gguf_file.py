@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from engine.errors import ModelFileError, UnsupportedArchitectureError
+from engine.formats.quantized_blocks import PACKED_TENSOR_TYPES, QuantizedBlocks
 from engine.models.config import (
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
@@ -110,12 +111,13 @@ GGML_ORDER = "(ggml order, ne0 first, as llama.cpp and gguf-py list dimensions; 
 class GGUFContents:
     """What a GGUF file holds, in kvscope's terms.
 
-    `tensors` use Hugging Face names and layouts (float32); `tensor_types` gives each one's
-    storage type in the file ("Q8_0", "F16", ...); `metadata` is every key/value of the header.
+    `tensors` use Hugging Face names and layouts (float32, or QuantizedBlocks for quantized matrices
+    read with keep_quantized); `tensor_types` gives each one's storage type in the file ("Q8_0",
+    "F16", ...); `metadata` is every key/value of the header.
     """
 
     config: ModelConfig
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor | QuantizedBlocks]
     tensor_types: dict[str, str]
     metadata: dict[str, Any]
 
@@ -551,38 +553,58 @@ def config_from_reader(reader: Any, metadata: dict[str, Any], path: str | Path,
     )
 
 
-def _undo_permutation(tensors: dict[str, torch.Tensor], config: ModelConfig) -> None:
+def _undo_permutation(tensors: dict[str, torch.Tensor | QuantizedBlocks], config: ModelConfig) -> None:
     """llama.cpp permutes Q/K rows (weights and biases) of llama models only (Mistral included, which
     converts to llama); qwen2, gemma2 and gemma3 are stored as is."""
     if config.arch != "llama" or config.head_dim % 2:
         return
     for name in list(tensors):
-        if ".self_attn.q_proj." in name:
-            tensors[name] = unpermute_qk(tensors[name], config.n_head)
-        elif ".self_attn.k_proj." in name:
-            tensors[name] = unpermute_qk(tensors[name], config.n_head_kv)
+        n_head = (config.n_head if ".self_attn.q_proj." in name else
+                  config.n_head_kv if ".self_attn.k_proj." in name else None)
+        if n_head is None:
+            continue
+        t = tensors[name]
+        if isinstance(t, QuantizedBlocks):
+            tensors[name] = t.with_row_order(lambda rows: unpermute_qk(rows, n_head))
+        else:
+            tensors[name] = unpermute_qk(t, n_head)
 
 
-def _decode_needed(reader: Any, config: ModelConfig, path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors `config` needs, decoded and renamed to Hugging Face names, with their storage types."""
+def quantized_blocks(reader_tensor: Any, path: str | Path) -> QuantizedBlocks:
+    """A quantized matrix's rows of blocks, not decoded (a view of the file's memory map)."""
+    ne = ggml_shape(reader_tensor)
+    data = np.asarray(reader_tensor.data)
+    if data.ndim != 2 or data.shape[0] != ne[1]:
+        raise ModelFileError(f"{path}: tensor {reader_tensor.name!r} ({reader_tensor.tensor_type.name}, shape "
+                             f"{list(ne)} {GGML_ORDER}) holds {data.shape} bytes of blocks; convert the model again")
+    return QuantizedBlocks(data, reader_tensor.tensor_type.name, (ne[1], ne[0]))
+
+
+def _decode_needed(reader: Any, config: ModelConfig, path: Path,
+                   keep_quantized: bool) -> tuple[dict[str, torch.Tensor | QuantizedBlocks], dict[str, str]]:
+    """The tensors `config` needs, decoded and renamed to Hugging Face names, with their storage types.
+    keep_quantized: matrices of PACKED_TENSOR_TYPES stay blocks (QuantizedBlocks)."""
     needed = expected_ggml_shapes(config)
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor | QuantizedBlocks] = {}
     tensor_types: dict[str, str] = {}
     for rt in reader.tensors:
         if rt.name in needed:
             hf_name = hf_tensor_name(rt.name, config.arch)
-            tensors[hf_name] = dequantize_tensor(rt, path)
+            kept = keep_quantized and rt.tensor_type.name in PACKED_TENSOR_TYPES and len(ggml_shape(rt)) == 2
+            tensors[hf_name] = quantized_blocks(rt, path) if kept else dequantize_tensor(rt, path)
             tensor_types[hf_name] = rt.tensor_type.name
         elif rt.name != ROPE_FREQS_TENSOR:
             logger.warning("%s: skipping tensor %r, which kvscope does not use", path, rt.name)
     return tensors, tensor_types
 
 
-def read_gguf(path: str | Path) -> GGUFContents:
+def read_gguf(path: str | Path, *, keep_quantized: bool = False) -> GGUFContents:
     """Read a GGUF model: config, float32 tensors under Hugging Face names, storage types, metadata.
 
     Args:
         path: a `.gguf` file.
+        keep_quantized: keep Q8_0, Q4_0, Q4_K and Q6_K matrices as QuantizedBlocks (for packing)
+            instead of decoding them to float32.
 
     Returns:
         GGUFContents holding exactly the tensors the config needs, with the shapes it implies;
@@ -601,6 +623,6 @@ def read_gguf(path: str | Path) -> GGUFContents:
     config = config_from_reader(reader, metadata, path,
                                 rope_freqs=None if rope_freqs is None else dequantize_tensor(rope_freqs, path))
     check_tensor_infos(reader, config, path)
-    tensors, tensor_types = _decode_needed(reader, config, path)
+    tensors, tensor_types = _decode_needed(reader, config, path, keep_quantized)
     _undo_permutation(tensors, config)
     return GGUFContents(config=config, tensors=tensors, tensor_types=tensor_types, metadata=metadata)

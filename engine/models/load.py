@@ -85,8 +85,8 @@ def _is_gguf_file(path: Path) -> bool:
         return f.read(4) == GGUF_MAGIC
 
 
-def _read_gguf_checkpoint(path: Path) -> Checkpoint:
-    contents = read_gguf(path)  # checks the tensors itself, so that errors use the file's names
+def _read_gguf_checkpoint(path: Path, keep_quantized: bool) -> Checkpoint:
+    contents = read_gguf(path, keep_quantized=keep_quantized)  # checks the tensors itself, so that errors use the file's names
     tokenizer = tokenizer_from_gguf_metadata(contents.metadata, source=path)
     return Checkpoint(
         config=contents.config,
@@ -122,11 +122,12 @@ def _read_hf_checkpoint(folder: Path) -> Checkpoint:
     )
 
 
-def read_checkpoint(path: str | Path) -> Checkpoint:
+def read_checkpoint(path: str | Path, *, keep_quantized: bool = False) -> Checkpoint:
     """Read a model from a GGUF file or a Hugging Face folder (config.json + safetensors + tokenizer.json).
 
     Args:
         path: a `.gguf` file, a Hugging Face model folder, or that folder's config.json.
+        keep_quantized: a GGUF's Q8_0, Q4_0, Q4_K and Q6_K matrices stay QuantizedBlocks.
 
     Returns:
         a Checkpoint whose tensors all have the shapes the config implies.
@@ -137,7 +138,7 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         UnsupportedArchitectureError: the architecture is not one kvscope runs.
     """
     path, file_format = locate_model(path)
-    return _read_hf_checkpoint(path) if file_format == "hf" else _read_gguf_checkpoint(path)
+    return _read_hf_checkpoint(path) if file_format == "hf" else _read_gguf_checkpoint(path, keep_quantized)
 
 
 def locate_model(path: str | Path) -> tuple[Path, str]:

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from engine.errors import ContextParamsError, ModelFileError
+from engine.formats.quantized_blocks import PACKED_TENSOR_TYPES
 from engine.models.config import ModelConfig
 from engine.models.tokenizer import Tokenizer
 from engine.models.transformer import Transformer
@@ -46,6 +47,7 @@ class Model:
     path: str
     file_format: str
     tensor_types: dict[str, str]
+    kept_quantized: bool = False  # quantized GGUF matrices kept packed (load_model's keep_quantized)
 
     @property
     def name(self) -> str:
@@ -73,15 +75,28 @@ def _piece(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.token_text(token_id) if "\ufffd" in text else text
 
 
-def load_model(path: str | Path, *, dtype: str = "f32") -> Model:
+def load_model(path: str | Path, *, dtype: str = "f32", keep_quantized: bool = True) -> Model:
     """Load a GGUF file or a Hugging Face folder; "demo" loads the bundled demo model. dtype: compute
-    dtype, f32 (default), bf16 or f16."""
+    dtype, f32 (default), bf16 or f16. keep_quantized: a GGUF's Q8_0, Q4_0, Q4_K and Q6_K matrices stay
+    packed and run on torch's weight-only int8/int4 kernels (engine/models/packed.py); False decodes
+    them to the compute dtype (exactly the file's values, at 4-8x the memory)."""
     from engine.models.load import read_checkpoint
 
     torch_dtype = compute_dtype(dtype)
     path = resolve_model_path(path)
-    ckpt = read_checkpoint(path)
+    ckpt = read_checkpoint(path, keep_quantized=keep_quantized)
     transformer = Transformer(ckpt.config, ckpt.tensors, torch_dtype)
     log.info("load_tensors: loaded %s (%s, %d layers, %.2f M parameters, compute %s)", ckpt.config.name or path,
              ckpt.config.arch, ckpt.config.n_layer, transformer.n_params() / 1e6, dtype)
-    return Model(ckpt.config, ckpt.tokenizer, transformer, str(path), ckpt.file_format, dict(ckpt.tensor_types))
+    kept = keep_quantized and any(t in PACKED_TENSOR_TYPES for t in ckpt.tensor_types.values())
+    return Model(ckpt.config, ckpt.tokenizer, transformer, str(path), ckpt.file_format, dict(ckpt.tensor_types), kept)
+
+
+def file_types_by_gguf_name(model: Model) -> dict[str, str] | None:
+    """llama.cpp tensor name -> GGUF storage type of a model whose quantized matrices are packed (what
+    weight_tensor_sizes sizes them by); None when nothing is packed."""
+    from engine.formats.gguf_file import gguf_tensor_name
+
+    if not model.kept_quantized:
+        return None
+    return {gguf_tensor_name(name, model.config.arch): t for name, t in model.tensor_types.items()}

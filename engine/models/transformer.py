@@ -24,7 +24,9 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
+from engine.formats.quantized_blocks import QuantizedBlocks
 from engine.models.config import ROPE_TYPE_NORM, ModelConfig
+from engine.models.packed import PackedRows, PackedWeight
 from engine.placement.devices import CPU, Device
 from engine.placement.weight_devices import (
     BIAS_OF,
@@ -97,8 +99,37 @@ def input_major(weight: torch.Tensor, dtype: torch.dtype, n_split: int) -> torch
     return w.contiguous()[None]
 
 
-def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] times a column-blocked weight [n_split, in, out / n_split] (+ bias) -> [T, out]."""
+Weight = torch.Tensor | PackedWeight  # a matrix: float, column-blocked (input_major), or packed quantized
+
+
+def fused_matrix(parts: list[torch.Tensor | QuantizedBlocks], dtype: torch.dtype, n_split: int) -> Weight:
+    """Matrices [out_i, in] stacked along their outputs into one weight: packed when every part is a
+    quantized GGUF matrix, else float in the compute dtype (quantized parts decoded: a file that mixes
+    float and quantized pieces of one fused matrix is rare, and one kernel per matrix keeps it simple)."""
+    if all(isinstance(p, QuantizedBlocks) for p in parts):
+        return PackedWeight.from_gguf_parts([(p.blocks, p.type_name, p.shape[0]) for p in parts], parts[0].shape[1])
+    floats = [p.dequantize() if isinstance(p, QuantizedBlocks) else p for p in parts]
+    return input_major(floats[0] if len(floats) == 1 else torch.cat(floats), dtype, n_split)
+
+
+def weight_nbytes(t: torch.Tensor | PackedWeight | PackedRows) -> int:
+    """Resident bytes of a weight, packed or not."""
+    return t.nbytes if isinstance(t, (PackedWeight, PackedRows)) else t.numel() * t.element_size()
+
+
+def weight_numel(t: torch.Tensor | PackedWeight | PackedRows) -> int:
+    """Parameters in a weight, packed or not."""
+    if isinstance(t, (PackedWeight, PackedRows)):
+        return t.shape[0] * t.shape[1]
+    return t.numel()
+
+
+def project(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] times a column-blocked weight [n_split, in, out / n_split] or a packed one (+ bias)
+    -> [T, out]."""
+    if isinstance(weight, PackedWeight):
+        y = weight.matmul(x)
+        return y if bias is None else y + bias
     n_split = weight.shape[0]
     if n_split == 1:
         y = x @ weight[0]
@@ -144,6 +175,32 @@ def softcapped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = probs.view(G, Hkv, n_rep * Tg, -1) @ values  # [G, Hkv, n_rep * Tg, D]
     return out.view(G, H, Tg, D)
+
+
+GROUPED_MAX_TOKENS = 8  # up to this many tokens per stream, query heads attend as one group per KV head
+
+
+def grouped_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                            scale: float | None) -> torch.Tensor:
+    """One scaled_dot_product_attention call for grouped-query attention.
+
+    q [G, H, Tg, D]; keys, values [G, Hkv, n_kv, D], usually strided views of the cache rows;
+    mask [G, 1, Tg, n_kv] (True = attend). Returns [G, H, Tg, D].
+
+    With few tokens per stream (decode), the query heads that share a KV head are stacked along the
+    token axis, so that the kernel reads each K/V row once per KV head: enable_gqa on the CPU
+    repeats K and V per query head first, which at 32k cells costs twice the attention itself. The
+    mask rows follow the stacking (repeated, or broadcast for one token). With many tokens
+    (prefill) the kernel's own GQA is as fast or faster, and the stacked mask would be n_rep times
+    larger. Either way one call per layer: many small ops would hold the GIL from other threads."""
+    G, H, Tg, D = q.shape
+    Hkv = keys.shape[1]
+    n_rep = H // Hkv
+    if n_rep == 1 or Tg > GROUPED_MAX_TOKENS:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=n_rep > 1, scale=scale)
+    qg = q.reshape(G, Hkv, n_rep * Tg, D)  # row r * Tg + t: query head kv * n_rep + r, token t
+    mg = mask if Tg == 1 else mask.repeat(1, 1, n_rep, 1)
+    return F.scaled_dot_product_attention(qg, keys, values, attn_mask=mg, scale=scale).view(G, H, Tg, D)
 
 
 def attention_weights(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, rows: list[int], scale: float,
@@ -196,11 +253,18 @@ class Transformer:
         # HF multiplies by sqrt(hidden_size) as a tensor of the compute dtype
         self.embd_scale = torch.tensor(config.n_embd ** 0.5, dtype=dtype) if gemma else None
         self.attn_scale = config.attn_scale if config.query_pre_attn_scalar is not None else None
-        self.tok_embd = w("model.embed_tokens.weight")
+        embd = tensors["model.embed_tokens.weight"]
+        # A quantized embedding stays as the file's blocks; a lookup decodes only the rows it reads.
+        self.tok_embd = (PackedRows.from_gguf_blocks(embd.blocks, embd.type_name, *embd.shape)
+                         if isinstance(embd, QuantizedBlocks) else w("model.embed_tokens.weight"))
         self.norm = norm_w("model.norm.weight")
-        # Tied embeddings stay [n_vocab, n_embd] and go through F.linear rather than being copied.
+        # Tied embeddings stay [n_vocab, n_embd] and go through F.linear rather than being copied; a
+        # quantized tied embedding also has a packed copy for the output layer (the blocks have no
+        # kernel, the packed int4 form no row access).
         n_split = max(1, torch.get_num_threads())
-        self.lm_head_t = None if config.tie_word_embeddings else input_major(tensors["lm_head.weight"], dtype, n_split)
+        self.tied = config.tie_word_embeddings
+        self.lm_head_t = None if self.tied else fused_matrix([tensors["lm_head.weight"]], dtype, n_split)
+        self.packed_output_copy = self.tied and isinstance(embd, QuantizedBlocks)
         self.layers = []
         for i in range(config.n_layer):
             p = f"model.layers.{i}.self_attn."
@@ -210,16 +274,15 @@ class Transformer:
             ln = f"model.layers.{i}."
             self.layers.append(LayerWeights(
                 attn_norm=norm_w(ln + "input_layernorm.weight"),
-                wqkv=input_major(torch.cat(weights), dtype, n_split),
+                wqkv=fused_matrix(weights, dtype, n_split),
                 bqkv=None if biases[0] is None else torch.cat(biases).to(dtype),
-                wo=input_major(tensors[p + "o_proj.weight"], dtype, n_split),
+                wo=fused_matrix([tensors[p + "o_proj.weight"]], dtype, n_split),
                 bo=None if p + "o_proj.bias" not in tensors else w(p + "o_proj.bias"),
                 # llama: the norm before the MLP is HF's post_attention_layernorm; Gemma names it
                 # pre_feedforward_layernorm and uses post_attention_layernorm on the attention output
                 ffn_norm=norm_w(ln + ("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight")),
-                w_gate_up=input_major(torch.cat([tensors[m + "gate_proj.weight"], tensors[m + "up_proj.weight"]]),
-                                      dtype, n_split),
-                w_down=input_major(tensors[m + "down_proj.weight"], dtype, n_split),
+                w_gate_up=fused_matrix([tensors[m + "gate_proj.weight"], tensors[m + "up_proj.weight"]], dtype, n_split),
+                w_down=fused_matrix([tensors[m + "down_proj.weight"]], dtype, n_split),
                 post_attn_norm=norm_w(ln + "post_attention_layernorm.weight") if gemma else None,
                 post_ffn_norm=norm_w(ln + "post_feedforward_layernorm.weight") if gemma else None,
                 q_norm=norm_w(p + "q_norm.weight") if config.has_qk_norm else None,
@@ -227,7 +290,11 @@ class Transformer:
             ))
         self._qkv_split = (config.n_head * config.head_dim, config.n_embd_k_gqa, config.n_embd_v_gqa)
         # The output layer's weights: the tied embedding is the same tensor until placed on another device.
-        self.output_embd = self.tok_embd if self.lm_head_t is None else None
+        self.output_embd = None
+        if self.packed_output_copy:
+            self.output_embd = fused_matrix([embd], dtype, n_split)
+        elif self.tied:
+            self.output_embd = self.tok_embd
         # Placement (engine.placement.weight_devices): everything on the CPU until place() is called.
         self.weight_devices: WeightDevices = all_on_cpu(config)
         self.bytes_moved = 0  # bytes copied between devices, ever (activations, logits); contexts read differences
@@ -243,13 +310,20 @@ class Transformer:
         if cfg.rope_type != ROPE_TYPE_NORM:
             return qkv
         q, k, v = qkv
-        return [None if q is None else to_norm_order(q, cfg.n_head),
-                None if k is None else to_norm_order(k, cfg.n_head_kv), v]
+
+        def reorder(t, n_head: int):
+            if t is None:
+                return None
+            if isinstance(t, QuantizedBlocks):  # whole rows of blocks move; nothing is decoded
+                return t.with_row_order(lambda rows: to_norm_order(rows, n_head))
+            return to_norm_order(t, n_head)
+
+        return [reorder(q, cfg.n_head), reorder(k, cfg.n_head_kv), v]
 
     # ---- placement (src/llama-model.cpp llama_model::load_tensors) ---------------------------------
     @staticmethod
     def _nbytes(tensors) -> int:
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return sum(weight_nbytes(t) for t in tensors if t is not None)
 
     def layer_field_tensors(self, il: int) -> dict[str, list[torch.Tensor]]:
         """Layer il's tensors by weight field; a bias is listed with the matrix it belongs to."""
@@ -275,6 +349,8 @@ class Transformer:
         add(wd.output_norm, self._nbytes([self.norm]))
         if self.lm_head_t is not None:
             add(wd.output, self._nbytes([self.lm_head_t]))
+        elif self.packed_output_copy:
+            add(wd.output, self._nbytes([self.output_embd]))
         elif wd.output.name != wd.tok_embd.name:
             add(wd.output, self._nbytes([self.tok_embd]))
         return out
@@ -283,7 +359,6 @@ class Transformer:
         """Move every weight to its device's torch device (None: all to the CPU). A virtual device's
         torch device is the CPU, so nothing moves in memory, but its boundaries are still crossed in
         forward() and counted in bytes_moved: boundaries are between Devices, not torch devices."""
-        tied = self.lm_head_t is None
         wd = wd or all_on_cpu(self.config)
         self.tok_embd = self.tok_embd.to(wd.tok_embd.torch_device)
         for layer, devs in zip(self.layers, wd.layers):
@@ -291,7 +366,9 @@ class Transformer:
                 if t is not None:
                     setattr(layer, name, t.to(devs.fields[BIAS_OF.get(name, name)].torch_device))
         self.norm = self.norm.to(wd.output_norm.torch_device)
-        if tied:
+        if self.packed_output_copy:
+            self.output_embd = self.output_embd.to(wd.output.torch_device)
+        elif self.tied:
             self.output_embd = self.tok_embd.to(wd.output.torch_device)  # the same tensor on the same device
         else:
             self.lm_head_t = self.lm_head_t.to(wd.output.torch_device)
@@ -318,7 +395,13 @@ class Transformer:
         tensors = [self.tok_embd, self.norm] + ([] if self.lm_head_t is None else [self.lm_head_t])
         for layer in self.layers:
             tensors += [t for t in vars(layer).values() if t is not None]
-        return sum(t.numel() for t in tensors)
+        return sum(weight_numel(t) for t in tensors)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of token ids [T] -> [T, C] in the compute dtype, on the embedding's device."""
+        if isinstance(self.tok_embd, PackedRows):
+            return self.tok_embd.rows(tokens).to(self.dtype)
+        return self.tok_embd[tokens.to(self.tok_embd.device)]
 
     def _attention(self, il: int, layer: LayerWeights, devs: LayerDevices, x: torch.Tensor,
                    rope: "RopeTables", attn: AttentionInputs, probe: WeightsProbe | None) -> torch.Tensor:
@@ -344,8 +427,7 @@ class Transformer:
         if cfg.attn_softcap:
             o = softcapped_attention(q, keys, values, mask, cfg.attn_scale, cfg.attn_softcap)
         else:
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True,
-                                               scale=self.attn_scale)
+            o = grouped_query_attention(q, keys, values, mask, self.attn_scale)
         if probe is not None:  # from the same q, K and mask, after the real attention, which it leaves alone
             probe.keep(il, attention_weights(q, keys, mask, probe.rows, cfg.attn_scale, cfg.attn_softcap))
         o = o.transpose(1, 2).reshape(T, cfg.n_head * cfg.head_dim)
@@ -381,7 +463,7 @@ class Transformer:
         Transformer was built from require grad, the loss reaches them through the fused, input-major
         weights (tools/train_demo_model.py trains this way with engine.models.full_sequence)."""
         cfg, wd, to = self.config, self.weight_devices, self._to
-        x = self.tok_embd[tokens.to(self.tok_embd.device)]  # [T, C]
+        x = self.embed(tokens)  # [T, C]
         if self.embd_scale is not None:
             x = x * self.embd_scale.to(x.device)
         rope = RopeTables(self.rotary, positions, self.dtype)
@@ -396,7 +478,12 @@ class Transformer:
         x = x[output_rows.to(x.device)]  # only the output rows cross to the output layer
         x = self._norm(to(x, at, wd.output_norm), self.norm, cfg.rms_norm_eps)
         x = to(x, wd.output_norm, wd.output)
-        logits = F.linear(x, self.output_embd) if self.lm_head_t is None else project(x, self.lm_head_t)
+        if self.lm_head_t is not None:
+            logits = project(x, self.lm_head_t)
+        elif isinstance(self.output_embd, PackedWeight):
+            logits = project(x, self.output_embd)
+        else:
+            logits = F.linear(x, self.output_embd)
         # logits are read on the host: from an offloaded output layer that is one more crossing, and
         # with a large vocabulary the largest one per token
         logits = self._to(logits.float(), wd.output, CPU)

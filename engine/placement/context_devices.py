@@ -15,7 +15,7 @@ from engine import events as ev
 from engine.errors import ContextParamsError
 from engine.kv.factory import cache_layouts, kv_bytes_by_device, kv_size_by_layer
 from engine.models.config import ModelConfig
-from engine.models.model import Model
+from engine.models.model import Model, file_types_by_gguf_name
 from engine.placement.device_memory import (
     WeightPlacement,
     check_fits,
@@ -103,7 +103,8 @@ class ContextDevices:
         for line in self.placement.debug_log_lines([cfg.is_swa(il) for il in range(cfg.n_layer)]):
             log.debug("%s", line)
         if self.weight_devices.overridden:  # sizing every tensor is only needed for these lines
-            for line in self.weight_devices.override_log_lines(weight_tensor_sizes(cfg, self.model.transformer.dtype)):
+            sizes = weight_tensor_sizes(cfg, self.model.transformer.dtype, file_types_by_gguf_name(self.model))
+            for line in self.weight_devices.override_log_lines(sizes):
                 log.debug("%s", line)
         for line in self.placement.info_log_lines() + model_buffer_log_lines(self.model_bytes):
             log.info("%s", line)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from engine.errors import DeviceSpecError
 from engine.models.config import ModelConfig
@@ -153,23 +153,71 @@ def output_tensor_name(config: ModelConfig) -> str:
     return "token_embd.weight" if config.tie_word_embeddings else "output.weight"
 
 
-def weight_tensor_sizes(config: ModelConfig, dtype) -> dict[str, tuple[int, str]]:
+# Matrices the Transformer fuses into one (packed together when all are quantized), by llama.cpp suffix.
+FUSED_MATRICES = (("attn_q.weight", "attn_k.weight", "attn_v.weight"), ("ffn_gate.weight", "ffn_up.weight"))
+
+
+def _ggml_type_label(type_name: str) -> str:
+    """A GGUF storage type as llama.cpp prints it (ggml_type_name): q8_0, q4_0, q4_K, q6_K."""
+    return type_name.lower().replace("_k", "_K")
+
+
+def weight_tensor_sizes(config: ModelConfig, dtype, file_types: Mapping[str, str] | None = None
+                        ) -> dict[str, tuple[int, str]]:
     """llama.cpp name -> (bytes, type name) of every weight as kvscope stores it: the compute dtype,
-    except Gemma's norms, kept in float32. Sizes come from the config alone (no tensor is read)."""
+    except Gemma's norms, kept in float32. Sizes come from the config alone (no tensor is read).
+
+    file_types: llama.cpp name -> GGUF storage type, for a model whose quantized matrices stay packed
+    (engine/models/packed.py): those count their packed bytes (a fused Q|K|V or gate|up matrix is packed
+    as one, its padding counted with its first tensor), a quantized embedding its blocks, and a tied
+    quantized embedding adds the packed copy the output layer multiplies by ("output.weight")."""
     import torch
 
     from engine.formats.gguf_file import gguf_tensor_name
+    from engine.formats.quantized_blocks import PACKED_TENSOR_TYPES
     from engine.models.load import expected_tensor_shapes
+    from engine.models.packed import packed_weight_nbytes, row_bytes
 
     type_names = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+    shapes = {gguf_tensor_name(hf, config.arch): shape for hf, shape in expected_tensor_shapes(config).items()}
+    packed = {name: t for name, t in (file_types or {}).items()
+              if t in PACKED_TENSOR_TYPES and len(shapes.get(name, ())) == 2}
     out = {}
-    for hf_name, shape in expected_tensor_shapes(config).items():
-        f32 = config.is_gemma and hf_name.endswith("norm.weight")
+    for name, shape in shapes.items():
+        f32 = config.is_gemma and name.endswith("norm.weight")
         t = torch.float32 if f32 else dtype
         n = 1
         for d in shape:
             n *= d
-        out[gguf_tensor_name(hf_name, config.arch)] = (n * t.itemsize, type_names[t])
+        out[name] = (n * t.itemsize, type_names[t])
+    if not packed:
+        return out
+
+    def packed_alone(name: str) -> int:
+        rows, cols = shapes[name]
+        return packed_weight_nbytes([(packed[name], rows)], cols)
+
+    fused_names = set()
+    for il in range(config.n_layer):
+        for group in FUSED_MATRICES:
+            names = [f"blk.{il}.{suffix}" for suffix in group]
+            fused_names.update(names)
+            if not all(n in packed for n in names):
+                continue  # decoded to the compute dtype, as sized above
+            total = packed_weight_nbytes([(packed[n], shapes[n][0]) for n in names], shapes[names[0]][1])
+            alone = {n: packed_alone(n) for n in names[1:]}
+            out[names[0]] = (total - sum(alone.values()), _ggml_type_label(packed[names[0]]))
+            out.update({n: (b, _ggml_type_label(packed[n])) for n, b in alone.items()})
+    for name, type_name in packed.items():
+        if name in fused_names:
+            continue
+        if name == "token_embd.weight":
+            rows, cols = shapes[name]
+            out[name] = (rows * row_bytes(type_name, cols), _ggml_type_label(type_name))
+            if config.tie_word_embeddings:
+                out["output.weight"] = (packed_alone(name), _ggml_type_label(type_name))
+        else:
+            out[name] = (packed_alone(name), _ggml_type_label(type_name))
     return out
 
 
@@ -181,7 +229,8 @@ def model_bytes_by_device(wd: WeightDevices, tensor_sizes: dict[str, tuple[int, 
     for name, (nbytes, _) in tensor_sizes.items():
         dev = wd.device_of(name)
         out[dev] = out.get(dev, 0) + nbytes
-    if tie_word_embeddings and wd.output.name != wd.tok_embd.name:
+    # a tied output layer listed on its own is a separate (packed) copy, counted above wherever it is
+    if tie_word_embeddings and wd.output.name != wd.tok_embd.name and "output.weight" not in tensor_sizes:
         out[wd.output] = out.get(wd.output, 0) + tensor_sizes["token_embd.weight"][0]
     return out
 

@@ -175,7 +175,7 @@ class Session:
         merged = {**self._settings, **settings}
         for name in NOT_MEMORY_SETTINGS:  # settings of what a context publishes or prints, not of its bytes
             merged.pop(name, None)
-        return estimate(self._model.path, **merged)
+        return estimate(self._model.path, keep_quantized=self._model.kept_quantized, **merged)
 
     # ---- running ------------------------------------------------------------------------------
     def start(self) -> Future:
@@ -490,7 +490,7 @@ class Session:
     def _do_rebuild(self, model: Model, changes: dict) -> None:
         settings = {**self._settings, **changes}
         if Path(model.path).exists():  # refuses settings that cannot work before the old context goes
-            estimate(model.path, **settings)
+            estimate(model.path, keep_quantized=model.kept_quantized, **settings)
         old_model, old_settings = self._model, self._settings
         # The estimate cannot see everything a context checks (a device's free memory after this context's
         # weights leave it), so a refusal can still come after the old context is gone: its cells then come

@@ -128,23 +128,40 @@ def _hf_config(folder: Path) -> ModelConfig:
 
 
 # ---- weight sizes, as engine.models.transformer.Transformer stores them -------------------------
-def model_bytes(config: ModelConfig, wd: WeightDevices, dtype: str = "f32") -> dict[Device, int]:
-    """Weight bytes per device under wd, from the config's tensor shapes in the compute dtype."""
-    return model_bytes_by_device(wd, weight_tensor_sizes(config, compute_dtype(dtype)), config.tie_word_embeddings)
+def model_bytes(config: ModelConfig, wd: WeightDevices, dtype: str = "f32",
+                file_types: dict[str, str] | None = None) -> dict[Device, int]:
+    """Weight bytes per device under wd, from the config's tensor shapes in the compute dtype, and the
+    packed sizes of quantized matrices when file_types (llama.cpp name -> GGUF type) is given."""
+    return model_bytes_by_device(wd, weight_tensor_sizes(config, compute_dtype(dtype), file_types),
+                                 config.tie_word_embeddings)
 
 
 # ---- the estimate ----------------------------------------------------------------------------------
-def estimate(path: str | Path = "demo", *, dtype: str = "f32", **settings) -> Estimate:
+def estimate(path: str | Path = "demo", *, dtype: str = "f32", keep_quantized: bool = True, **settings) -> Estimate:
     """Bytes per device for the model at path with engine.Context's settings (same names and
     defaults: n_ctx, n_batch, n_ubatch, n_seq_max, kv_unified, pad, type_k, type_v, flash_attn,
     swa_full, devices, n_gpu_layers, tensor_split, offload_kqv, tensor_overrides, kvsize, swa_window),
-    without reading tensor data."""
+    without reading tensor data. keep_quantized: as engine.load_model's (a GGUF's quantized matrices
+    count their packed bytes)."""
     cfg, name, gpus = _read_target(path, dtype, settings)
+    file_types = file_tensor_types(path) if keep_quantized else None
     n_gpu_layers = gpu_layers(settings.get("n_gpu_layers"))
     for line in no_gpu_warning_lines(n_gpu_layers, gpus, setting=f"n_gpu_layers = {n_gpu_layers}",
                                      virtual_gpu='devices=["VGPU0=2GiB"]'):
         log.warning("%s", line)
-    return _estimate(cfg, name, gpus, dtype, **settings)
+    return _estimate(cfg, name, gpus, dtype, file_types=file_types, **settings)
+
+
+def file_tensor_types(path: str | Path) -> dict[str, str] | None:
+    """llama.cpp tensor name -> GGUF storage type, from a GGUF's tensor infos; None for a Hugging Face
+    folder (its weights are never packed)."""
+    from engine.formats.gguf_file import open_gguf
+    from engine.models.load import locate_model
+
+    path, file_format = locate_model(resolve_model_path(path))
+    if file_format == "hf":
+        return None
+    return {t.name: t.tensor_type.name for t in open_gguf(path).tensors}
 
 
 def _read_target(path: str | Path, dtype: str, settings: dict) -> tuple[ModelConfig, str, list[Device]]:
@@ -160,7 +177,7 @@ def _estimate(cfg: ModelConfig, name: str, gpus: Sequence[Device], dtype: str, *
               type_k: str = "f16", type_v: str = "f16", flash_attn: str = "auto", swa_full: bool = False,
               n_gpu_layers: int | None = None, tensor_split: Sequence[float] | None = None,
               offload_kqv: bool = True, tensor_overrides: Sequence[str] | None = None, kvsize: int | None = None,
-              swa_window: int | None = None) -> Estimate:
+              swa_window: int | None = None, file_types: dict[str, str] | None = None) -> Estimate:
     n_ctx, n_gpu_layers = context_size(n_ctx, kvsize), gpu_layers(n_gpu_layers)
     cfg = with_swa_window(cfg, swa_window)
     params = ContextParams.resolve(
@@ -171,7 +188,7 @@ def _estimate(cfg: ModelConfig, name: str, gpus: Sequence[Device], dtype: str, *
     wd = plan_weight_devices(cfg, placement, parse_tensor_overrides(tensor_overrides, gpus))
     layouts = cache_layouts(cfg, params)
     kv = kv_bytes_by_device(layouts, placement.kv_devices)
-    weights = model_bytes(cfg, wd, dtype)
+    weights = model_bytes(cfg, wd, dtype, file_types)
     compute = compute_bytes_by_device(cfg, wd, params.n_ubatch, params.n_stream, kv_size_by_layer(layouts),
                                       compute_dtype(dtype))
     rows = tuple(DeviceEstimate(dev.name, dev.is_virtual, weights.get(dev, 0), kv.get(dev, 0), compute.get(dev, 0),
@@ -181,7 +198,7 @@ def _estimate(cfg: ModelConfig, name: str, gpus: Sequence[Device], dtype: str, *
 
 
 def fit(path: str | Path = "demo", *, dtype: str = "f32", fit_target: int = 0, fit_ctx_min: int = 0,
-        **settings) -> Estimate:
+        keep_quantized: bool = True, **settings) -> Estimate:
     """The estimate with the largest n_gpu_layers that fits the devices at n_ctx = fit_ctx_min (when
     given; else the requested n_ctx), then the largest n_ctx (a multiple of pad, at least
     fit_ctx_min, at most n_ctx_train or the request if larger) that fits with those layers: what
@@ -193,6 +210,7 @@ def fit(path: str | Path = "demo", *, dtype: str = "f32", fit_target: int = 0, f
     if fit_target < 0 or fit_ctx_min < 0:
         raise ContextParamsError(f"fit_target and fit_ctx_min must be >= 0, got {fit_target} and {fit_ctx_min}")
     cfg, name, gpus = _read_target(path, dtype, settings)
+    settings["file_types"] = file_tensor_types(path) if keep_quantized else None
     settings.pop("n_gpu_layers", None)
     settings["n_ctx"] = context_size(settings.pop("n_ctx", None), settings.pop("kvsize", None))
     pad = settings.get("pad", 256)

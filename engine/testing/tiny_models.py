@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 BOS_TOKEN, EOS_TOKEN = "<s>", "</s>"
 # Shape of the test suite's tiny models (tests/conftest.py); multiples of 32 so Q8_0 works.
 TINY_TEST_SHAPE: dict[str, int] = dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, vocab_size=512)
-TensorType = Literal["F32", "F16", "Q8_0", "mixed"]
+TensorType = Literal["F32", "F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "mixed"]
 Arch = Literal["llama", "qwen2", "mistral", "gemma2", "gemma3"]
 WRITABLE_ARCHITECTURES = ("llama", "qwen2", "mistral", "gemma2", "gemma3")
 # config.json model_type -> the architecture llama.cpp's converter writes
@@ -344,10 +344,11 @@ def _storage_type(gguf_name: str, array: np.ndarray, tensor_type: TensorType) ->
     if array.ndim == 1:
         return "F32"
     if tensor_type != "mixed":
-        if tensor_type == "Q8_0" and array.shape[-1] % 32 != 0:
+        block = {"Q8_0": 32, "Q4_0": 32, "Q4_K": 256, "Q6_K": 256}.get(tensor_type, 1)
+        if array.shape[-1] % block != 0:
             raise ValueError(
-                f"{gguf_name}: Q8_0 needs the inner dimension to be a multiple of 32, it is {array.shape[-1]}; "
-                "pick sizes that are multiples of 32 or use F16"
+                f"{gguf_name}: {tensor_type} needs the inner dimension to be a multiple of {block}, it is "
+                f"{array.shape[-1]}; pick sizes that are multiples of {block} or use F16"
             )
         return tensor_type
     # "mixed": exercise several types in one file
@@ -372,8 +373,12 @@ def _add_tensor(writer: Any, name: str, array: np.ndarray, storage: str) -> None
     elif storage == "F16":
         writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float16))
     else:
+        from engine.testing.kquants import quantize_q4_k, quantize_q6_k
+
         qtype = gguf.GGMLQuantizationType[storage]
-        q = gguf.quants.quantize(np.ascontiguousarray(array, dtype=np.float32), qtype)
+        values = np.ascontiguousarray(array, dtype=np.float32)
+        k_writers = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}  # gguf-py has no K-quant writer
+        q = k_writers[storage](values) if storage in k_writers else gguf.quants.quantize(values, qtype)
         writer.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
 
 
@@ -401,7 +406,7 @@ def _write_metadata(writer: Any, arch: str, config: dict[str, Any], name: str, t
     rope = config.get("rope_parameters") or {}
     if "full_attention" in rope:  # gemma3: freq_base is the full-attention layers' (global) base
         rope = rope["full_attention"]
-    file_types = {"F32": 0, "F16": 1, "Q8_0": 7, "mixed": 7}
+    file_types = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_0": 2, "Q4_K": 15, "Q6_K": 18, "mixed": 7}  # llama_ftype
     writer.add_name(name)
     writer.add_file_type(file_types[tensor_type])
     writer.add_context_length(int(config["max_position_embeddings"]))
@@ -481,8 +486,9 @@ def write_gguf_from_hf(
     Args:
         hf_folder: the Hugging Face folder.
         gguf_path: the file to write.
-        tensor_type: storage of 2-D weights: "F32", "F16", "Q8_0" (inner dim a multiple of 32), or
-            "mixed" (F32, F16 and Q8_0 for different tensors). Norms and biases are always F32.
+        tensor_type: storage of 2-D weights: "F32", "F16", "Q8_0" or "Q4_0" (inner dim a multiple of
+            32), "Q4_K" or "Q6_K" (a multiple of 256; engine/testing/kquants.py), or "mixed" (F32, F16
+            and Q8_0 for different tensors). Norms and biases are always F32.
         permute_qk: apply llama.cpp's Q/K row permutation for llama and Mistral (False writes a
             deliberately wrong file, for tests that show the permutation matters). Gemma and qwen2
             are never permuted.
