@@ -23,6 +23,12 @@ the default: the same cells and random K/V rows; the decodes that follow are the
 prefilling (--fill model); llama.cpp always prefills.
 
     python bench/decode.py --context 256,1024,4096,8192,32768 [--cache-types f32,f16] [--decodes 16]
+
+--cache-memory N[,N...] prints the bytes of an N-cell cache of this model per cache type (from
+kvscope's estimate, which equals what a Context allocates: tests/test_estimate.py), and checks one
+against a real allocation.
+
+    python bench/decode.py --cache-memory 32768,131072
 """
 from __future__ import annotations
 
@@ -128,16 +134,19 @@ def run_transformers(hf, prompt: list[int], n_new: int) -> tuple[float, float]:
     return len(prompt) / t_prompt, (n_new - 1) / max(t_gen - t_prompt, 1e-9)
 
 
+KVSCOPE_SETTINGS: dict = {}  # placement (--ngl) for every kvscope context of the run
+
+
 def run_kvscope(model, prompt: list[int], n_new: int, with_subscriber: bool) -> tuple[float, float, int, np.ndarray]:
     """(prompt tokens/s, decode tokens/s, events recorded, the last prompt token's logits)."""
     bus = engine.EventBus()
     recorded: list = []
     sub = bus.subscribe_callback(recorded.append) if with_subscriber else None
-    first = engine.Context(model, n_ctx=512, n_batch=N_UBATCH, n_ubatch=N_UBATCH)
+    first = engine.Context(model, n_ctx=512, n_batch=N_UBATCH, n_ubatch=N_UBATCH, **KVSCOPE_SETTINGS)
     assert first.decode(Batch.for_sequence(prompt, 0, 0)) == 0
-    prompt_logits = first.logits(-1).numpy().copy()
+    prompt_logits = first.logits(-1).float().cpu().numpy().copy()
     del first
-    ctx = engine.Context(model, n_ctx=512, n_batch=N_UBATCH, n_ubatch=N_UBATCH, bus=bus)
+    ctx = engine.Context(model, n_ctx=512, n_batch=N_UBATCH, n_ubatch=N_UBATCH, bus=bus, **KVSCOPE_SETTINGS)
     gen = Generator(ctx, SamplerParams(temperature=0.0, seed=0))
     result = gen.generate(prompt, n_new)
     assert len(result.tokens) == n_new, result.stop_reason
@@ -159,13 +168,15 @@ def weight_streaming_floor(model, reps: int = 10) -> float | None:
     mats = [tf.lm_head_t] + [w for layer in tf.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
     if any(not isinstance(m, torch.Tensor) for m in mats):
         return None
-    xs = {m.shape[1]: torch.randn(1, m.shape[1]) for m in mats}
+    xs = {m.shape[1]: torch.randn(1, m.shape[1], dtype=m.dtype, device=m.device) for m in mats}
     times = []
     with torch.no_grad():
         for _ in range(reps):
             t0 = time.perf_counter()
             for m in mats:
                 project(xs[m.shape[1]], m)
+            if mats[0].is_cuda:
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
     return 1.0 / statistics.median(times)
 
@@ -188,7 +199,7 @@ def speed_main(args) -> None:
     with_transformers = args.weights == "F32" and not args.no_transformers
     with tempfile.TemporaryDirectory() as tmp:
         folder, gguf = write_models(Path(tmp), args.weights)
-        model = engine.load_model(gguf)
+        model = engine.load_model(gguf, dtype=args.dtype)
         hf = None
         if with_transformers:
             from transformers import AutoModelForCausalLM
@@ -198,7 +209,8 @@ def speed_main(args) -> None:
         file_bytes = gguf.stat().st_size
     print(f"model: llama, {model.transformer.n_params() / 1e6:.1f} M parameters, {args.weights} weights "
           f"(GGUF {file_bytes / 2**20:.1f} MiB; kvscope holds {weight_bytes(model) / 2**20:.1f} MiB), "
-          f"f32 compute and cache, torch threads {torch.get_num_threads()}")
+          f"{args.dtype} compute, f32 cache, torch threads {torch.get_num_threads()}"
+          + (f", n_gpu_layers {args.ngl}" if args.ngl else ""))
     if lib is None:
         print("llama.cpp: not run (" + ("--no-llama-cpp)" if args.no_llama_cpp else "llama-cpp-python is not installed)"))
     prompt = torch.randint(3, model.n_vocab, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -340,6 +352,28 @@ def context_main(args) -> None:
             for (e, n, t), v in results.items()]))
 
 
+def cache_memory_main(args) -> None:
+    from engine.sizing.estimate import estimate
+
+    sizes = [int(n) for part in args.cache_memory for n in part.split(",") if n]
+    types = ("f32", "f16", "bf16", "q8_0", "q4_0")
+    with tempfile.TemporaryDirectory() as tmp:
+        _, gguf = write_models(Path(tmp), args.weights, max(sizes))
+        table = {(n, t): estimate(gguf, n_ctx=n, type_k=t, type_v=t, flash_attn="on").devices[0].kv_bytes
+                 for n in sizes for t in types}
+        n, t = min(sizes), "q8_0"
+        ctx = engine.Context(engine.load_model(gguf), n_ctx=n, type_k=t, type_v=t, flash_attn="on")
+        allocated = sum(c.k_bytes() + c.v_bytes() for c in ctx.memory.caches())
+        assert allocated == table[n, t], (allocated, table[n, t])
+    cfg = CONFIG
+    print(f"K+V cache of bench/decode.py's model ({cfg['num_hidden_layers']} layers x {cfg['num_key_value_heads']} KV "
+          f"heads x {cfg['hidden_size'] // cfg['num_attention_heads']} dims), MiB; flash attention on (quantized V needs it)")
+    print(f"{'cells':>8s} " + " ".join(f"{t:>8s}" for t in types))
+    for n in sizes:
+        print(f"{n:8d} " + " ".join(f"{table[n, t] / 2**20:8.1f}" for t in types))
+    print(f"(a real {n}-cell {t} context allocated {allocated} bytes: the estimate's figure)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=None, help="default 3; with --context 1")
@@ -347,6 +381,9 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--weights", default="F32", choices=("F32", "F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K"),
                         help="type of the GGUF's weight matrices (norms stay F32)")
+    parser.add_argument("--dtype", default="f32", choices=("f32", "bf16", "f16"), help="kvscope's compute dtype")
+    parser.add_argument("--ngl", type=int, default=0,
+                        help="kvscope's n_gpu_layers (-1: all) on the CUDA devices torch sees; llama.cpp runs as built")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even when installed")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers")
     parser.add_argument("--context", action="append", default=[],
@@ -356,9 +393,15 @@ def main() -> None:
     parser.add_argument("--fill", choices=("synthetic", "model"), default="synthetic",
                         help="with --context: how kvscope's N cells are filled")
     parser.add_argument("--json", help="with --context: also write every time to this file")
+    parser.add_argument("--cache-memory", action="append", default=[],
+                        help="cells, e.g. 32768,131072: print the cache bytes per cache type instead")
     args = parser.parse_args()
     torch.manual_seed(0)
-    if args.context:
+    if args.ngl:
+        KVSCOPE_SETTINGS["n_gpu_layers"] = args.ngl
+    if args.cache_memory:
+        cache_memory_main(args)
+    elif args.context:
         args.reps = args.reps or 1
         context_main(args)
     else:

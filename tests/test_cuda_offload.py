@@ -268,3 +268,33 @@ def test_breakdown_reads_the_driver_and_the_kv_is_allocated_there():
     total, free = map(int, re.findall(r"\| +(\d+) = +(\d+) \+", line)[0])
     assert total == torch.cuda.mem_get_info()[1] // (1 << 20)
     assert abs(free - torch.cuda.mem_get_info()[0] // (1 << 20)) <= 64
+
+
+@pytest.mark.parametrize("tensor_type", ["Q4_0", "Q8_0"])
+def test_packed_weights_offloaded_to_cuda(tmp_path, tensor_type):
+    """Packed quantized weights (engine/models/packed.py) re-packed for CUDA by -ngl: the GPU holds the
+    offloaded layers' packed bytes (not f32 ones), and the logits stay within the packing's error of
+    the CPU's packed logits (int4: bf16 activations on both; int8: f32 activations on CUDA)."""
+    from engine.models.packed import PackedWeight
+    from engine.testing import write_gguf_from_hf, write_hf_model
+
+    folder = write_hf_model(tmp_path / "m", "llama", seed=2, n_layer=2, n_embd=256, n_head=4, n_head_kv=2,
+                            n_ff=512, vocab_size=512)
+    path = write_gguf_from_hf(folder, tmp_path / "m.gguf", tensor_type=tensor_type)
+    tokens = list(range(3, 35))
+    cpu_model = engine.load_model(path)
+    ctx = engine.Context(cpu_model, n_ctx=64, pad=32, type_k="f32", type_v="f32")
+    assert ctx.decode(Batch.for_sequence(tokens, 0, 0, all_logits=True)) == 0
+    ref = ctx.all_logits().clone()
+    del ctx
+    model = engine.load_model(path)
+    ctx = engine.Context(model, n_ctx=64, pad=32, type_k="f32", type_v="f32", n_gpu_layers=-1)
+    layer = model.transformer.layers[0]
+    assert isinstance(layer.wqkv, PackedWeight) and layer.wqkv.device.type == "cuda"
+    gpu = next(d for d in ctx.model_bytes_by_device if d.name == GPU)
+    assert ctx.model_bytes_by_device[gpu] == estimate(path, n_ctx=64, pad=32, type_k="f32", type_v="f32",
+                                                      n_gpu_layers=-1).devices[1].model_bytes
+    assert ctx.decode(Batch.for_sequence(tokens, 0, 0, all_logits=True)) == 0
+    got = ctx.all_logits().cpu()
+    rel = ((got - ref).abs().max() / ref.abs().max()).item()
+    assert rel < 0.03, f"CUDA packed logits {rel:.2%} of the largest logit away from the CPU's"

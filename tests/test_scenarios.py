@@ -135,7 +135,7 @@ class Run:
 
     def k_rows(self, cells, stream: int = 0) -> list[torch.Tensor]:
         """The stored K rows of some cells, one tensor [len(cells), n_embd_k] per layer."""
-        return [k[stream, list(cells)].clone() for k in (r.data for r in self.mem.k)]
+        return [r.stored_rows(stream, torch.tensor(list(cells))).clone() for r in self.mem.k]
 
 
 def assert_reroped(model, before: list[torch.Tensor], after: list[torch.Tensor], deltas) -> None:
@@ -154,7 +154,7 @@ def fresh_layer0_keys(model, tokens, positions) -> torch.Tensor:
     are valid). Layer 0's keys depend only on the token and its position, so re-roped rows must match."""
     run = Run(model, n_seq_max=len(tokens))
     assert run.decode([(i, p, t) for i, (t, p) in enumerate(zip(tokens, positions))]) == 0
-    return run.mem.k[0].data[0, :len(tokens)].clone()
+    return run.mem.k[0].stored_rows(0, torch.arange(len(tokens))).clone()
 
 
 # ---- scenarios ------------------------------------------------------------------------------------
@@ -342,8 +342,9 @@ def test_s11_split_streams(model):
                                                                                      [(0, [2])]]
     run.expect("0-2:p0-p2{0}", head=3, stream=0)
     run.expect("0-1:p0-p1{1}", head=2, stream=1)
-    k_src = [k[0, :3].clone() for k in (r.data for r in run.mem.k)]
-    assert not any(torch.equal(k[1, :2], s[:2]) for k, s in zip((r.data for r in run.mem.k), k_src))
+    first = torch.arange(3)
+    k_src = [r.stored_rows(0, first).clone() for r in run.mem.k]
+    assert not any(torch.equal(r.stored_rows(1, first[:2]), s[:2]) for r, s in zip(run.mem.k, k_src))
     run.op("seq_cp", 0, 1, -1, -1)
     run.expect("0-2:p0-p2{0}", head=3, stream=0)
     run.expect("0-2:p0-p2{1}", head=3, stream=1)
@@ -355,11 +356,13 @@ def test_s11_split_streams(model):
     assert [(e.src_stream, e.dst_stream) for e in run.events if isinstance(e, ev.StreamCopyExecuted)] == [(0, 1)]
     run.expect("0-3:p0-p3{1}", head=4, stream=1)
     run.expect("0-2:p0-p2{0}", head=3, stream=0)
-    for k, v, s in zip((r.data for r in run.mem.k), (r.data for r in run.mem.v), k_src):
-        assert torch.equal(k[1, :3], s) and torch.equal(k[1, :3], k[0, :3])
-    v_cells = (slice(None), slice(0, 3)) if run.mem.layout.v_trans else (slice(0, 3),)
-    for v in (r.data for r in run.mem.v):
-        assert torch.equal(v[1][v_cells], v[0][v_cells])
+    for r, s in zip(run.mem.k, k_src):
+        assert torch.equal(r.stored_rows(1, first), s) and torch.equal(r.stored_rows(1, first), r.stored_rows(0, first))
+    for v in run.mem.v:
+        if v.transposed:
+            assert torch.equal(v.data[1][:, :3], v.data[0][:, :3])
+        else:
+            assert torch.equal(v.stored_rows(1, first), v.stored_rows(0, first))
 
 
 def test_s11_capacity_is_per_stream(model):

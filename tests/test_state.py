@@ -63,9 +63,9 @@ def tensors(ctx: Context):
 def kv_rows(cache, stream: int, idxs) -> list[torch.Tensor]:
     """Raw bytes of the K and V of some cells of one stream, per layer."""
     idx = torch.as_tensor(list(idxs), dtype=torch.long)
-    out = [k.data[stream][idx].contiguous().view(torch.uint8) for k in cache.k]
+    out = [k.stored_rows(stream, idx).contiguous().view(torch.uint8) for k in cache.k]
     for v in cache.v:
-        data = v.data[stream][:, idx] if v.transposed else v.data[stream][idx]
+        data = v.data[stream][:, idx] if v.transposed else v.stored_rows(stream, idx)
         out.append(data.contiguous().view(torch.uint8))
     return out
 
@@ -149,7 +149,7 @@ def test_whole_state_layout(model, flash_attn):
             expect = cache.v[il].data[0][:, :4].contiguous().view(torch.uint8).numpy().tobytes()
         else:
             assert entry[:2] == (1, 32)
-            expect = cache.v[il].data[0][:4].contiguous().view(torch.uint8).numpy().tobytes()
+            expect = cache.v[il].stored_rows(0, torch.arange(4)).contiguous().view(torch.uint8).numpy().tobytes()
         assert entry[-1] == expect
 
 

@@ -68,12 +68,10 @@ class UbatchAttention:
         layer's KQ mask [groups, 1, tokens per group, n_kv] (True = attend)."""
         cache = self.cache
         i = cache.layer_index[il]
-        lo = cache.layout
-        shape = (self.n_groups, self.n_kv, lo.n_head_kv, lo.head_dim)
         out = []
         for rows, new in ((cache.k[i], k), (cache.v[i], v)):
             rows.write(self._token_stream, self._token_cell, new)
-            out.append(rows.read(self._stream_slice, self.n_kv, dtype).to(k.device).view(shape).transpose(1, 2))
+            out.append(rows.read_heads(self._stream_slice, self.n_kv, dtype).to(k.device))
         mask = self._mask_on.get(k.device)
         if mask is None:  # built on the host once; one copy per device whose layers attend
             mask = self._mask_on[k.device] = self.mask.to(k.device)

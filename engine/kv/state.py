@@ -216,7 +216,7 @@ def _write_meta(w: Writer, cache: KVCache, stream: int, idxs: np.ndarray, seq_id
 
 def _rows_bytes(rows: RowStorage, stream: int, idxs: torch.Tensor) -> bytes:
     """Raw bytes of the rows of some cells, in cell order (K, or V not transposed)."""
-    t = rows.data[stream][idxs.to(rows.device)].contiguous().cpu()
+    t = rows.stored_rows(stream, idxs.to(rows.device)).contiguous().cpu()
     return t.view(torch.uint8).numpy().tobytes()
 
 
@@ -396,14 +396,14 @@ def _read_data(r: Reader, cache: KVCache, strm: int, cell_count: int, dest: np.n
                 raise _Failed(f"mismatched GQA embedding size in layer {il}: this cache has {v.width}, the state "
                               f"has {n_embd_ref}")
             raw = _copy(r.take(cell_count * v.width * v.ctype.block_bytes))
-            pending.append((v, raw.view(v.data.dtype).view(v.width, cell_count), True))
+            pending.append((v, raw.view(v.dtype).view(v.width, cell_count), True))
     # Every check passed: store the rows (llama.cpp also defers its tensor writes to the end).
     for rows, values, transposed in pending:
         idx = dest_t.to(rows.device)
         if transposed:
             rows.data[strm][:, idx] = values.to(rows.device)
         else:
-            rows.data[strm][idx] = values.to(rows.device)
+            rows.store_rows(strm, idx, values.to(rows.device))
 
 
 def _check_row_bytes(r, rows: RowStorage, what: str, il: int) -> None:
@@ -430,9 +430,9 @@ def _copy(view: memoryview) -> torch.Tensor:
 
 def _take_rows(r: Reader, rows: RowStorage, cell_count: int) -> torch.Tensor:
     raw = _copy(r.take(cell_count * rows.row_bytes))
-    if rows.data.dtype == torch.uint8:  # quantized: block bytes
+    if rows.dtype == torch.uint8:  # quantized: block bytes
         return raw.view(cell_count, rows.row_bytes)
-    return raw.view(rows.data.dtype).view(cell_count, rows.width)
+    return raw.view(rows.dtype).view(cell_count, rows.width)
 
 
 def read_memory_state(r: Reader, caches: Sequence[KVCache], dest_seq_id: int = -1) -> None:

@@ -1,9 +1,17 @@
 """K or V rows of one cache layer, preallocated: n_stream x kv_size rows of `width` values.
 
-Rows are stored in the cache type's own layout: plain torch dtypes for f32/f16/bf16, and the
-ggml block bytes for quantized types (see engine/kv/quant.py). Transposed V (flash attention off)
-keeps each stream as [width, kv_size], as llama.cpp does; only float types can be transposed.
-Callers see float rows and never the storage layout.
+Rows are stored in the cache type's own layout: float types (f32/f16/bf16) as torch dtypes, quantized
+types as the ggml block bytes (see engine/kv/quant.py). Transposed V (flash attention off) keeps each
+stream as [width, kv_size], as llama.cpp does; only float types can be transposed. Callers see rows
+([cells, width]) and never the storage layout.
+
+Float rows that are not transposed are stored head-major, [stream, head, cell, head_dim]: one head's
+K (or V) for every cell is contiguous, so that decode attention reads n_kv cells of a head as one
+block rather than n_kv pieces of head_dim values strided by the row width (at 8k cells and beyond
+the strided reads cost the attention kernel ~1.5x). A row is `n_head` such pieces; writing one
+ubatch's rows scatters them, which is cheap next to reading the whole cache every layer and token.
+llama.cpp keeps a row contiguous ([cells, width] per stream); its state files are written in that
+order (`stored_rows`), so nothing outside this class sees the difference.
 """
 from __future__ import annotations
 
@@ -14,22 +22,32 @@ from engine.kv.types import CacheType
 
 class RowStorage:
     def __init__(self, ctype: CacheType, *, n_stream: int, kv_size: int, width: int, transposed: bool = False,
-                 device: torch.device | str = "cpu") -> None:
+                 n_head: int = 1, device: torch.device | str = "cpu") -> None:
         assert not (transposed and ctype.is_quantized), "quantized rows cannot be stored transposed"
+        assert width % n_head == 0, f"a row of {width} values does not split into {n_head} heads"
         self.ctype = ctype
         self.n_stream, self.kv_size, self.width = n_stream, kv_size, width
         self.transposed = transposed
         self.row_bytes = ctype.row_bytes(width)
+        self.head_major = not transposed and not ctype.is_quantized
+        self.n_head = n_head
+        self.head_dim = width // n_head
         if ctype.is_quantized:
             shape = (n_stream, kv_size, self.row_bytes)
             self.data = torch.zeros(shape, dtype=torch.uint8, device=device)
+        elif transposed:
+            self.data = torch.zeros((n_stream, width, kv_size), dtype=ctype.torch_dtype, device=device)
         else:
-            shape = (n_stream, width, kv_size) if transposed else (n_stream, kv_size, width)
-            self.data = torch.zeros(shape, dtype=ctype.torch_dtype, device=device)
+            self.data = torch.zeros((n_stream, n_head, kv_size, self.head_dim), dtype=ctype.torch_dtype, device=device)
 
     @property
     def device(self) -> torch.device:
         return self.data.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The stored element type (uint8 for quantized blocks)."""
+        return self.data.dtype
 
     @property
     def nbytes(self) -> int:
@@ -45,7 +63,15 @@ class RowStorage:
         elif self.transposed:
             self.data[streams, :, cells] = rows.to(self.data.dtype)
         else:
-            self.data[streams, cells] = rows.to(self.data.dtype)
+            self.data[streams, :, cells] = rows.to(self.data.dtype).view(-1, self.n_head, self.head_dim)
+
+    def read_heads(self, streams: slice | torch.Tensor, n_kv: int, dtype: torch.dtype) -> torch.Tensor:
+        """The first n_kv cells of the selected streams as [n_streams, n_head, n_kv, head_dim] in dtype:
+        for float rows in dtype a view of the storage (no copy)."""
+        if self.head_major:
+            return self.data[streams, :, :n_kv].to(dtype)
+        rows = self.read(streams, n_kv, dtype)
+        return rows.view(rows.shape[0], n_kv, self.n_head, self.head_dim).transpose(1, 2)
 
     def read(self, streams: slice | torch.Tensor, n_kv: int, dtype: torch.dtype) -> torch.Tensor:
         """The first n_kv rows of the selected streams as [n_streams, n_kv, width] in dtype."""
@@ -54,7 +80,8 @@ class RowStorage:
             return self.ctype.dequantize(blocks).to(dtype)
         if self.transposed:
             return self.data[streams, :, :n_kv].transpose(-1, -2).to(dtype)
-        return self.data[streams, :n_kv].to(dtype)
+        heads = self.data[streams, :, :n_kv]  # [n_streams, n_head, n_kv, head_dim]
+        return heads.transpose(1, 2).reshape(heads.shape[0], n_kv, self.width).to(dtype)
 
     def read_cells(self, stream: int, cells: torch.Tensor) -> torch.Tensor:
         """Rows of some cells of one stream as float32 [N, width]."""
@@ -62,7 +89,23 @@ class RowStorage:
             return self.ctype.dequantize(self.data[stream, cells]).float()
         if self.transposed:
             return self.data[stream, :, cells].T.float()
-        return self.data[stream, cells].float()
+        return self.stored_rows(stream, cells).float()
+
+    def stored_rows(self, stream: int, cells: torch.Tensor) -> torch.Tensor:
+        """Rows of some cells of one stream as stored, in llama.cpp's row order: [N, width] values, or
+        [N, row_bytes] block bytes for quantized types (not for transposed V)."""
+        assert not self.transposed, "transposed V is read by columns"
+        if self.head_major:
+            return self.data[stream][:, cells].transpose(0, 1).reshape(len(cells), self.width)
+        return self.data[stream][cells]
+
+    def store_rows(self, stream: int, cells: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store rows as `stored_rows` returns them (the storage's element type), at cells of one stream."""
+        assert not self.transposed, "transposed V is written by columns"
+        if self.head_major:
+            self.data[stream][:, cells] = rows.view(len(cells), self.n_head, self.head_dim).transpose(0, 1)
+        else:
+            self.data[stream][cells] = rows
 
     def copy_stream(self, src: int, dst: int) -> None:
         self.data[dst].copy_(self.data[src])
