@@ -33,7 +33,14 @@ class AttentionSource(Protocol):
 
 class UbatchAttention:
     """Per-ubatch access to the cache for the model: store this ubatch's K/V, read all visible K/V,
-    and the KQ mask, built once from the cells after the ubatch was applied."""
+    and the KQ mask, built once from the cells after the ubatch was applied.
+
+    The mask is llama.cpp's, n_kv wide (n_kv: the used cells padded to 256). The attention itself
+    reads only the first n_visible cells, up to the last one some token of the ubatch sees: the cells
+    after it are masked for every token, so leaving them out changes no result (their weights are
+    exactly 0) and saves reading up to 255 padding cells per layer. When every token sees every one
+    of those cells (one sequence decoding), no mask is passed at all: the kernel's unmasked path is
+    ~20% faster at 8k cells."""
 
     def __init__(self, cache: AttentionSource, sinfo: SlotInfo, ubatch: UBatch) -> None:
         self.cache = cache
@@ -46,10 +53,16 @@ class UbatchAttention:
         self.token_streams = np.repeat(streams, n_per)  # the stream of each ubatch token
         self._token_stream = torch.from_numpy(self.token_streams.astype(np.int64))
         self._token_cell = torch.from_numpy(np.concatenate(sinfo.idxs).astype(np.int64))
-        self.mask = self._build_mask(sinfo, ubatch)  # [groups, 1, n_per, n_kv] bool, True = attend
-        self._mask_on: dict[torch.device, torch.Tensor] = {self.mask.device: self.mask}
+        mask = self._build_mask(sinfo, ubatch)  # [groups, 1, n_per, n_kv] bool, True = attend
+        self.mask = torch.from_numpy(mask)
+        seen = np.flatnonzero(mask.any(axis=(0, 1, 2)))
+        self.n_visible = int(seen[-1]) + 1 if seen.size else 1
+        visible = mask[..., :self.n_visible]
+        # None: every token sees every one of the first n_visible cells
+        self.attend_mask = None if visible.all() else torch.from_numpy(np.ascontiguousarray(visible))
+        self._mask_on: dict[torch.device, torch.Tensor | None] = {torch.device("cpu"): self.attend_mask}
 
-    def _build_mask(self, sinfo: SlotInfo, ubatch: UBatch) -> torch.Tensor:
+    def _build_mask(self, sinfo: SlotInfo, ubatch: UBatch) -> np.ndarray:
         cache, n_kv = self.cache, self.n_kv
         n_per = sinfo.n_per_stream
         lo = cache.layout
@@ -61,21 +74,21 @@ class UbatchAttention:
             deciding = np.fromiter((ids[-1] for ids in ubatch.seq_ids[tokens]), dtype=np.int64, count=n_per)
             masks.append(attends(cells.pos[:n_kv][None, :], cells.seq[deciding, :n_kv], ubatch.pos[tokens][:, None],
                                  lo.n_swa, lo.swa_type))
-        return torch.from_numpy(np.stack(masks)[:, None])
+        return np.stack(masks)[:, None]
 
     def store_and_load(self, il: int, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype):
-        """k, v: [n_tokens, n_embd_k|v]. Returns K, V as [groups, n_head_kv, n_kv, head_dim] and the
-        layer's KQ mask [groups, 1, tokens per group, n_kv] (True = attend)."""
+        """k, v: [n_tokens, n_embd_k|v]. Returns K, V of the first n_visible cells as [groups, n_head_kv,
+        n_visible, head_dim] and the layer's KQ mask over them [groups, 1, tokens per group, n_visible]
+        (True = attend), or None when every token attends to all of them."""
         cache = self.cache
         i = cache.layer_index[il]
         out = []
         for rows, new in ((cache.k[i], k), (cache.v[i], v)):
             rows.write(self._token_stream, self._token_cell, new)
-            out.append(rows.read_heads(self._stream_slice, self.n_kv, dtype).to(k.device))
-        mask = self._mask_on.get(k.device)
-        if mask is None:  # built on the host once; one copy per device whose layers attend
-            mask = self._mask_on[k.device] = self.mask.to(k.device)
-        return out[0], out[1], mask
+            out.append(rows.read_heads(self._stream_slice, self.n_visible, dtype).to(k.device))
+        if k.device not in self._mask_on:  # built on the host once; one copy per device whose layers attend
+            self._mask_on[k.device] = None if self.attend_mask is None else self.attend_mask.to(k.device)
+        return out[0], out[1], self._mask_on[k.device]
 
     def parts(self) -> tuple[UbatchAttention, ...]:
         """The attention inputs of each cache behind this object: just this one."""
@@ -108,8 +121,9 @@ class UbatchProbe:
     def records(self) -> dict[int, tuple]:
         """batch index -> (pos, caches, streams, layer_ids, cells, weights): AttentionWeights' fields."""
         # one host copy per cache: [n_layers of the cache, rows, n_kv]
-        stacked = [torch.stack([self._weights[il] for il in part.cache.layout.layer_ids]).cpu().numpy()
-                   for part in self._parts]
+        stacked = [torch.nn.functional.pad(torch.stack([self._weights[il] for il in part.cache.layout.layer_ids]),
+                                           (0, part.n_kv - part.n_visible)).cpu().numpy()
+                   for part in self._parts]  # cells after n_visible: weight 0, as the model masked them
         cells = [ev._frozen_array(np.arange(part.n_kv)) for part in self._parts]
         out = {}
         for k, r in enumerate(self.rows):

@@ -41,7 +41,7 @@ class AttentionInputs(Protocol):
     """What the cache gives the model for one ubatch. Tokens are grouped per stream (n_groups
     groups of equal size); store_and_load returns K, V [groups, n_head_kv, n_kv, head_dim] and the
     layer's mask [groups, 1, tokens per group, n_kv] (True = attend), which differs between
-    sliding-window and full-attention layers."""
+    sliding-window and full-attention layers; None when every token attends to every cell given."""
 
     n_groups: int
 
@@ -171,7 +171,8 @@ def softcapped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     qg = q.reshape(G, Hkv, n_rep * Tg, D)
     scores = (qg @ keys.transpose(-1, -2)) * scale  # [G, Hkv, n_rep * Tg, n_kv]
     scores = softcap(scores, cap).view(G, Hkv, n_rep, Tg, -1)
-    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = probs.view(G, Hkv, n_rep * Tg, -1) @ values  # [G, Hkv, n_rep * Tg, D]
     return out.view(G, H, Tg, D)
@@ -199,7 +200,7 @@ def grouped_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     if n_rep == 1 or Tg > GROUPED_MAX_TOKENS:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=n_rep > 1, scale=scale)
     qg = q.reshape(G, Hkv, n_rep * Tg, D)  # row r * Tg + t: query head kv * n_rep + r, token t
-    mg = mask if Tg == 1 else mask.repeat(1, 1, n_rep, 1)
+    mg = mask if Tg == 1 or mask is None else mask.repeat(1, 1, n_rep, 1)
     return F.scaled_dot_product_attention(qg, keys, values, attn_mask=mg, scale=scale).view(G, H, Tg, D)
 
 
@@ -209,7 +210,7 @@ def attention_weights(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, r
     float32, 0 on masked cells. Scores are formed in the compute dtype, scaled, soft-capped (cap > 0)
     and masked as the real attention does, then normalised in float32.
 
-    q [G, H, Tg, D]; keys [G, Hkv, n_kv, D]; mask [G, 1, Tg, n_kv] (True = attend); rows index the
+    q [G, H, Tg, D]; keys [G, Hkv, n_kv, D]; mask [G, 1, Tg, n_kv] (True = attend; None: all); rows index the
     ubatch's tokens group after group. Rows are taken a group at a time, so that a group's K is read
     in place rather than copied per row."""
     _, H, Tg, D = q.shape
@@ -226,7 +227,9 @@ def attention_weights(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, r
         scores = (qg @ keys[g].transpose(-1, -2)) * scale  # [Hkv, n_rep * P, n_kv]
         if cap:
             scores = softcap(scores, cap)
-        scores = torch.where(mask[g, 0, t], scores.view(Hkv, H // Hkv, P, n_kv), float("-inf"))
+        scores = scores.view(Hkv, H // Hkv, P, n_kv)
+        if mask is not None:
+            scores = torch.where(mask[g, 0, t], scores, float("-inf"))
         out.append(torch.softmax(scores, dim=-1, dtype=torch.float32).mean(dim=(0, 1)))
     return out[0] if len(out) == 1 else torch.cat(out)
 
