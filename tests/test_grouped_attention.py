@@ -32,3 +32,71 @@ def test_grouped_attention_equals_repeated_kv(n_tokens, n_head, n_head_kv):
         got2 = grouped_query_attention(q, keys, values, mask2, 0.3)
         torch.testing.assert_close(got2[:, :, 0], got[:, :, 0])
         assert not torch.allclose(got2[:, :, 1:], got[:, :, 1:])
+
+
+# ---- what the kernel reads: the cells up to the last visible one, and no mask when all are visible --------
+
+def _recorded_attention(monkeypatch):
+    from engine.kv.attention import UbatchAttention
+
+    records = []
+    build = UbatchAttention.__init__
+
+    def recording_init(self, cache, sinfo, ubatch):
+        build(self, cache, sinfo, ubatch)
+        records.append(self)
+
+    monkeypatch.setattr(UbatchAttention, "__init__", recording_init)
+    return records
+
+
+def test_one_sequence_decoding_reads_its_cells_and_passes_no_mask(monkeypatch):
+    import engine
+    from engine.batch import Batch
+    from tests.model_factory import in_memory_model
+
+    records = _recorded_attention(monkeypatch)
+    ctx = engine.Context(in_memory_model(), n_ctx=512, type_k="f32", type_v="f32")
+    assert ctx.decode(Batch.for_sequence(list(range(1, 41)), 0, 0)) == 0
+    assert ctx.decode(Batch.for_sequence([7], 0, 40)) == 0
+    step = records[-1]
+    assert step.n_kv == 256 and step.n_visible == 41  # llama.cpp's padded n_kv; the kernel reads 41 cells
+    assert step.attend_mask is None and bool(step.mask[..., :41].all()) and not bool(step.mask[..., 41:].any())
+    prompt = records[-2]  # causal: token t sees cells 0..t, so a mask is needed
+    assert prompt.n_visible == 40 and prompt.attend_mask is not None
+    assert torch.equal(prompt.attend_mask, prompt.mask[..., :40])
+
+
+def test_trimmed_attention_gives_the_full_masks_logits(monkeypatch):
+    """Two sequences in one stream with a hole: logits with the trimmed, mask-free kernel inputs equal
+    those of the full n_kv-wide mask (the trim switched off by widening n_visible back)."""
+    import engine
+    from engine.batch import Batch
+    from engine.kv.attention import UbatchAttention
+    from tests.model_factory import in_memory_model
+
+    model = in_memory_model()
+
+    def run():
+        ctx = engine.Context(model, n_ctx=512, n_seq_max=2, kv_unified=True, type_k="f32", type_v="f32")
+        assert ctx.decode(Batch.for_sequence(list(range(1, 30)), 0, 0)) == 0
+        assert ctx.decode(Batch.for_sequence(list(range(5, 20)), 1, 0)) == 0
+        ctx.memory.seq_rm(0, 10, 20)
+        out = []
+        for i, (seq, pos) in enumerate([(0, 29), (1, 15), (0, 30)]):
+            assert ctx.decode(Batch.for_sequence([3 + i], seq, pos)) == 0
+            out.append(ctx.logits(-1).clone())
+        return torch.stack(out)
+
+    trimmed = run()
+    build = UbatchAttention.__init__
+
+    def untrimmed(self, cache, sinfo, ubatch):
+        build(self, cache, sinfo, ubatch)
+        self.n_visible = self.n_kv
+        self.attend_mask = self.mask
+        self._mask_on = {torch.device("cpu"): self.mask}
+
+    monkeypatch.setattr(UbatchAttention, "__init__", untrimmed)
+    full = run()
+    torch.testing.assert_close(trimmed, full, rtol=1e-5, atol=1e-5)
