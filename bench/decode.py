@@ -371,17 +371,18 @@ def cache_memory_main(args) -> None:
         _, gguf = write_models(Path(tmp), args.weights, max(sizes))
         table = {(n, t): estimate(gguf, n_ctx=n, type_k=t, type_v=t, flash_attn="on").devices[0].kv_bytes
                  for n in sizes for t in types}
-        n, t = min(sizes), "q8_0"
-        ctx = engine.Context(engine.load_model(gguf), n_ctx=n, type_k=t, type_v=t, flash_attn="on")
+        checked_cells, checked_type = min(sizes), "q8_0"
+        ctx = engine.Context(engine.load_model(gguf), n_ctx=checked_cells, type_k=checked_type, type_v=checked_type,
+                             flash_attn="on")
         allocated = sum(c.k_bytes() + c.v_bytes() for c in ctx.memory.caches())
-        assert allocated == table[n, t], (allocated, table[n, t])
+        assert allocated == table[checked_cells, checked_type], (allocated, table[checked_cells, checked_type])
     cfg = CONFIG
     print(f"K+V cache of bench/decode.py's model ({cfg['num_hidden_layers']} layers x {cfg['num_key_value_heads']} KV "
           f"heads x {cfg['hidden_size'] // cfg['num_attention_heads']} dims), MiB; flash attention on (quantized V needs it)")
     print(f"{'cells':>8s} " + " ".join(f"{t:>8s}" for t in types))
     for n in sizes:
         print(f"{n:8d} " + " ".join(f"{table[n, t] / 2**20:8.1f}" for t in types))
-    print(f"(a real {n}-cell {t} context allocated {allocated} bytes: the estimate's figure)")
+    print(f"(a real {checked_cells}-cell {checked_type} context allocated {allocated} bytes: the estimate's figure)")
 
 
 def main() -> None:
