@@ -100,3 +100,28 @@ def test_trimmed_attention_gives_the_full_masks_logits(monkeypatch):
     monkeypatch.setattr(UbatchAttention, "__init__", untrimmed)
     full = run()
     torch.testing.assert_close(trimmed, full, rtol=1e-5, atol=1e-5)
+
+
+def test_f16_rows_are_converted_into_reused_memory():
+    """f16 K/V read for attention land in one buffer per cache, reused layer after layer and step after
+    step (fresh f32 copies cost more in page faults than the attention at 32k cells), grown by half
+    again when a read needs more, never beyond the storage's own element count."""
+    from engine.kv.storage import RowStorage, Scratch
+    from engine.kv.types import cache_type
+
+    rows = RowStorage(cache_type("f16"), n_stream=1, kv_size=64, width=32, n_head=2)
+    values = torch.randn(40, 32)
+    rows.write(torch.zeros(40, dtype=torch.long), torch.arange(40), values)
+    scratch = Scratch()
+    first = rows.read_heads(slice(0, 1), 20, torch.float32, scratch)
+    torch.testing.assert_close(first, rows.read_heads(slice(0, 1), 20, torch.float32))  # same values as .to()
+    assert first.dtype == torch.float32 and first.shape == (1, 2, 20, 16)
+    torch.testing.assert_close(first[0].transpose(0, 1).reshape(20, 32), values[:20].half().float())
+    held = scratch.nbytes
+    assert held == 30 * 32 * 4  # 20 cells and half again
+    again = rows.read_heads(slice(0, 1), 21, torch.float32, scratch)  # one more cell: no new memory
+    assert scratch.nbytes == held and again.data_ptr() == first.data_ptr()
+    rows.read_heads(slice(0, 1), 60, torch.float32, scratch)  # grows, capped at the storage's 64 cells
+    assert scratch.nbytes == 64 * 32 * 4
+    same_type = rows.read_heads(slice(0, 1), 20, torch.float16, scratch)  # no conversion: a view
+    assert same_type.data_ptr() == rows.data.data_ptr()

@@ -16,7 +16,7 @@ from engine.kv.swa import attends
 if TYPE_CHECKING:
     from engine.kv.layout import CacheLayout
     from engine.kv.slot_info import SlotInfo
-    from engine.kv.storage import RowStorage
+    from engine.kv.storage import RowStorage, Scratch
 
 
 class AttentionSource(Protocol):
@@ -27,6 +27,7 @@ class AttentionSource(Protocol):
     k: list[RowStorage]
     v: list[RowStorage]
     layer_index: dict[int, int]
+    read_scratch: tuple[Scratch, Scratch]  # where K and V rows of another float type are converted
 
     def n_kv(self, streams: tuple[int, ...]) -> int: ...
 
@@ -83,9 +84,9 @@ class UbatchAttention:
         cache = self.cache
         i = cache.layer_index[il]
         out = []
-        for rows, new in ((cache.k[i], k), (cache.v[i], v)):
+        for rows, new, scratch in ((cache.k[i], k, cache.read_scratch[0]), (cache.v[i], v, cache.read_scratch[1])):
             rows.write(self._token_stream, self._token_cell, new)
-            out.append(rows.read_heads(self._stream_slice, self.n_visible, dtype).to(k.device))
+            out.append(rows.read_heads(self._stream_slice, self.n_visible, dtype, scratch).to(k.device))
         if k.device not in self._mask_on:  # built on the host once; one copy per device whose layers attend
             self._mask_on[k.device] = None if self.attend_mask is None else self.attend_mask.to(k.device)
         return out[0], out[1], self._mask_on[k.device]

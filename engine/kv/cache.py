@@ -22,7 +22,7 @@ from engine.kv.attention import UbatchAttention
 from engine.kv.cells import MAX_SEQ, KVCells
 from engine.kv.layout import CacheLayout
 from engine.kv.slot_info import SlotInfo
-from engine.kv.storage import RowStorage
+from engine.kv.storage import RowStorage, Scratch
 from engine.kv.swa import SwaType, is_masked_swa
 from engine.placement.devices import Device, as_device
 
@@ -76,6 +76,9 @@ class KVCache:
         self.k = [RowStorage(layout.type_k, width=layout.n_embd_k, device=d, **rows) for d in torch_devices]
         self.v = [RowStorage(layout.type_v, width=layout.n_embd_v, transposed=layout.v_trans, device=d, **rows)
                   for d in torch_devices]
+        # f16/bf16 rows converted to the compute dtype for attention, into memory kept between layers and
+        # decodes (engine/kv/storage.py Scratch); part of the compute buffer (engine/sizing/compute_memory.py)
+        self.read_scratch = (Scratch(), Scratch())
 
     # ---- sizes and log lines -------------------------------------------------------------
     def k_bytes(self) -> int:

@@ -20,6 +20,34 @@ import torch
 from engine.kv.types import CacheType
 
 
+class Scratch:
+    """Memory reused for converted K or V rows: one growing buffer per torch device and dtype. What
+    take() returns is valid until the next take() of the same buffer (the next layer's read). It grows
+    by half again when too small (a decode reads one more cell each step: growing by what is needed
+    would reallocate every step), up to `limit` elements: the storage's own, which the compute buffer
+    bound counts in the compute dtype (engine/sizing/compute_memory.py)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, limit: int) -> torch.Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        key = (device, dtype)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < n:
+            buf = self._buffers[key] = torch.empty(max(n, min(n + n // 2, limit)), dtype=dtype, device=device)
+        return buf[:n].view(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
 class RowStorage:
     def __init__(self, ctype: CacheType, *, n_stream: int, kv_size: int, width: int, transposed: bool = False,
                  n_head: int = 1, device: torch.device | str = "cpu") -> None:
@@ -65,11 +93,17 @@ class RowStorage:
         else:
             self.data[streams, :, cells] = rows.to(self.data.dtype).view(-1, self.n_head, self.head_dim)
 
-    def read_heads(self, streams: slice | torch.Tensor, n_kv: int, dtype: torch.dtype) -> torch.Tensor:
+    def read_heads(self, streams: slice | torch.Tensor, n_kv: int, dtype: torch.dtype,
+                   scratch: Scratch | None = None) -> torch.Tensor:
         """The first n_kv cells of the selected streams as [n_streams, n_head, n_kv, head_dim] in dtype:
-        for float rows in dtype a view of the storage (no copy)."""
+        for float rows in dtype a view of the storage (no copy); rows of another float type converted
+        into `scratch` when given (reused memory: a fresh 64 MiB f32 copy per layer at 32k cells costs
+        more in page faults than the attention itself)."""
         if self.head_major:
-            return self.data[streams, :, :n_kv].to(dtype)
+            heads = self.data[streams, :, :n_kv]
+            if heads.dtype == dtype or scratch is None:
+                return heads.to(dtype)
+            return scratch.take(heads.shape, dtype, heads.device, self.data.numel()).copy_(heads)
         rows = self.read(streams, n_kv, dtype)
         return rows.view(rows.shape[0], n_kv, self.n_head, self.head_dim).transpose(1, 2)
 
