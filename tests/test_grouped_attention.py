@@ -125,3 +125,21 @@ def test_f16_rows_are_converted_into_reused_memory():
     assert scratch.nbytes == 64 * 32 * 4
     same_type = rows.read_heads(slice(0, 1), 20, torch.float16, scratch)  # no conversion: a view
     assert same_type.data_ptr() == rows.data.data_ptr()
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+def test_quantized_rows_are_decoded_in_pieces_into_reused_memory(name, monkeypatch):
+    """A quantized cache's rows read for attention equal the whole-read decode, also when the read spans
+    several decode pieces, and land in the scratch buffer."""
+    from engine.kv import storage
+    from engine.kv.storage import RowStorage, Scratch
+    from engine.kv.types import cache_type
+
+    monkeypatch.setattr(storage, "DEQUANT_CELLS", 16)  # 50 cells: four pieces, the last one short
+    rows = RowStorage(cache_type(name), n_stream=2, kv_size=64, width=64, n_head=2)
+    rows.write(torch.tensor([1] * 50), torch.arange(50), torch.randn(50, 64))
+    scratch = Scratch()
+    got = rows.read_heads(slice(1, 2), 50, torch.float32, scratch)
+    expected = rows.read(slice(1, 2), 50, torch.float32).view(1, 50, 2, 32).transpose(1, 2)
+    assert torch.equal(got, expected)
+    assert scratch.nbytes == 75 * 64 * 4  # the 50 cells read and half again (under the storage's 128)

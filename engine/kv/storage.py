@@ -19,6 +19,8 @@ import torch
 
 from engine.kv.types import CacheType
 
+DEQUANT_CELLS = 2048  # cells of quantized rows decoded at once for attention
+
 
 class Scratch:
     """Memory reused for converted K or V rows: one growing buffer per torch device and dtype. What
@@ -104,8 +106,23 @@ class RowStorage:
             if heads.dtype == dtype or scratch is None:
                 return heads.to(dtype)
             return scratch.take(heads.shape, dtype, heads.device, self.data.numel()).copy_(heads)
-        rows = self.read(streams, n_kv, dtype)
+        if self.ctype.is_quantized and scratch is not None:
+            rows = self._dequantize_into(scratch, streams, n_kv, dtype)
+        else:
+            rows = self.read(streams, n_kv, dtype)
         return rows.view(rows.shape[0], n_kv, self.n_head, self.head_dim).transpose(1, 2)
+
+    def _dequantize_into(self, scratch: Scratch, streams: slice | torch.Tensor, n_kv: int,
+                         dtype: torch.dtype) -> torch.Tensor:
+        """Quantized rows [n_streams, n_kv, width] decoded DEQUANT_CELLS cells at a time into scratch:
+        the decoder's temporaries stay a few MiB (reused by the allocator) instead of several copies
+        of the whole read, each mapped fresh (a q8_0 cache at 32k cells: 843 ms per token that way)."""
+        blocks = self.data[streams]
+        out = scratch.take((blocks.shape[0], n_kv, self.width), dtype, self.device, self.n_stream * self.kv_size * self.width)
+        for start in range(0, n_kv, DEQUANT_CELLS):
+            end = min(start + DEQUANT_CELLS, n_kv)
+            out[:, start:end] = self.ctype.dequantize(blocks[:, start:end])
+        return out
 
     def read(self, streams: slice | torch.Tensor, n_kv: int, dtype: torch.dtype) -> torch.Tensor:
         """The first n_kv rows of the selected streams as [n_streams, n_kv, width] in dtype."""
