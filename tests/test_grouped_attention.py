@@ -143,3 +143,18 @@ def test_quantized_rows_are_decoded_in_pieces_into_reused_memory(name, monkeypat
     expected = rows.read(slice(1, 2), 50, torch.float32).view(1, 50, 2, 32).transpose(1, 2)
     assert torch.equal(got, expected)
     assert scratch.nbytes == 75 * 64 * 4  # the 50 cells read and half again (under the storage's 128)
+
+
+def test_transposed_f16_v_is_converted_into_reused_memory_too():
+    """V stored transposed (flash attention off) reads as the same heads, converted into the scratch."""
+    from engine.kv.storage import RowStorage, Scratch
+    from engine.kv.types import cache_type
+
+    rows = RowStorage(cache_type("f16"), n_stream=1, kv_size=64, width=32, n_head=2, transposed=True)
+    values = torch.randn(40, 32)
+    rows.write(torch.zeros(40, dtype=torch.long), torch.arange(40), values)
+    scratch = Scratch()
+    got = rows.read_heads(slice(0, 1), 40, torch.float32, scratch)
+    assert got.shape == (1, 2, 40, 16) and scratch.nbytes == 60 * 32 * 4
+    torch.testing.assert_close(got[0].transpose(0, 1).reshape(40, 32), values.half().float())
+    torch.testing.assert_close(got, rows.read_heads(slice(0, 1), 40, torch.float32))

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from engine.errors import ModelFileError, UnsupportedArchitectureError
-from engine.formats.quantized_blocks import PACKED_TENSOR_TYPES, QuantizedBlocks
+from engine.formats.quantized_blocks import PACKED_TENSOR_TYPES, QuantizedBlocks, reorder_rows
 from engine.models.config import (
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
@@ -563,11 +563,7 @@ def _undo_permutation(tensors: dict[str, torch.Tensor | QuantizedBlocks], config
                   config.n_head_kv if ".self_attn.k_proj." in name else None)
         if n_head is None:
             continue
-        t = tensors[name]
-        if isinstance(t, QuantizedBlocks):
-            tensors[name] = t.with_row_order(lambda rows: unpermute_qk(rows, n_head))
-        else:
-            tensors[name] = unpermute_qk(t, n_head)
+        tensors[name] = reorder_rows(tensors[name], lambda rows: unpermute_qk(rows, n_head))
 
 
 def quantized_blocks(reader_tensor: Any, path: str | Path) -> QuantizedBlocks:

@@ -43,5 +43,7 @@ class QuantizedBlocks:
         return torch.from_numpy(np.array(values, dtype=np.float32).reshape(self.shape))
 
 
-def is_quantized(t: object) -> bool:
-    return isinstance(t, QuantizedBlocks)
+def reorder_rows(t: torch.Tensor | QuantizedBlocks, reorder: Callable[[torch.Tensor], torch.Tensor]
+                 ) -> torch.Tensor | QuantizedBlocks:
+    """reorder(t) for a float matrix; the same row order for blocks, moved whole (nothing decoded)."""
+    return t.with_row_order(reorder) if isinstance(t, QuantizedBlocks) else reorder(t)

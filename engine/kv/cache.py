@@ -71,8 +71,7 @@ class KVCache:
         # which its torch device alone cannot (a virtual device's memory is the host's).
         self.layer_devices = tuple(devices)
         torch_devices = [d.torch_device if isinstance(d, Device) else d for d in devices]
-        rows = dict(n_stream=layout.n_stream, kv_size=layout.kv_size)
-        rows = dict(rows, n_head=layout.n_head_kv)
+        rows = dict(n_stream=layout.n_stream, kv_size=layout.kv_size, n_head=layout.n_head_kv)
         self.k = [RowStorage(layout.type_k, width=layout.n_embd_k, device=d, **rows) for d in torch_devices]
         self.v = [RowStorage(layout.type_v, width=layout.n_embd_v, transposed=layout.v_trans, device=d, **rows)
                   for d in torch_devices]

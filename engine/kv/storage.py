@@ -46,9 +46,6 @@ class Scratch:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
-    def clear(self) -> None:
-        self._buffers.clear()
-
 
 class RowStorage:
     def __init__(self, ctype: CacheType, *, n_stream: int, kv_size: int, width: int, transposed: bool = False,
@@ -98,26 +95,26 @@ class RowStorage:
     def read_heads(self, streams: slice | torch.Tensor, n_kv: int, dtype: torch.dtype,
                    scratch: Scratch | None = None) -> torch.Tensor:
         """The first n_kv cells of the selected streams as [n_streams, n_head, n_kv, head_dim] in dtype:
-        for float rows in dtype a view of the storage (no copy); rows of another float type converted
-        into `scratch` when given (reused memory: a fresh 64 MiB f32 copy per layer at 32k cells costs
-        more in page faults than the attention itself)."""
-        if self.head_major:
-            heads = self.data[streams, :, :n_kv]
-            if heads.dtype == dtype or scratch is None:
-                return heads.to(dtype)
-            return scratch.take(heads.shape, dtype, heads.device, self.data.numel()).copy_(heads)
-        if self.ctype.is_quantized and scratch is not None:
-            rows = self._dequantize_into(scratch, streams, n_kv, dtype)
-        else:
-            rows = self.read(streams, n_kv, dtype)
-        return rows.view(rows.shape[0], n_kv, self.n_head, self.head_dim).transpose(1, 2)
+        for float rows in dtype a view of the storage (no copy); rows of another type converted or
+        decoded into `scratch` when given (reused memory: a fresh 64 MiB f32 copy per layer at 32k cells
+        costs more in page faults than the attention itself)."""
+        if self.ctype.is_quantized:
+            rows = (self.read(streams, n_kv, dtype) if scratch is None else
+                    self._dequantize_into(scratch, streams, n_kv, dtype))
+            return rows.view(rows.shape[0], n_kv, self.n_head, self.head_dim).transpose(1, 2)
+        heads = self.data[streams, :, :n_kv]
+        if self.transposed:  # [n_streams, width, n_kv] -> a view by head
+            heads = heads.view(heads.shape[0], self.n_head, self.head_dim, n_kv).transpose(-1, -2)
+        if heads.dtype == dtype or scratch is None:
+            return heads.to(dtype)
+        return scratch.take(heads.shape, dtype, heads.device, self.data.numel()).copy_(heads)
 
     def _dequantize_into(self, scratch: Scratch, streams: slice | torch.Tensor, n_kv: int,
                          dtype: torch.dtype) -> torch.Tensor:
         """Quantized rows [n_streams, n_kv, width] decoded DEQUANT_CELLS cells at a time into scratch:
         the decoder's temporaries stay a few MiB (reused by the allocator) instead of several copies
         of the whole read, each mapped fresh (a q8_0 cache at 32k cells: 843 ms per token that way)."""
-        blocks = self.data[streams]
+        blocks = self.data[streams, :n_kv]
         out = scratch.take((blocks.shape[0], n_kv, self.width), dtype, self.device, self.n_stream * self.kv_size * self.width)
         for start in range(0, n_kv, DEQUANT_CELLS):
             end = min(start + DEQUANT_CELLS, n_kv)

@@ -24,7 +24,7 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from engine.formats.quantized_blocks import QuantizedBlocks
+from engine.formats.quantized_blocks import QuantizedBlocks, reorder_rows
 from engine.models.config import ROPE_TYPE_NORM, ModelConfig
 from engine.models.packed import PackedRows, PackedWeight
 from engine.placement.devices import CPU, Device
@@ -317,11 +317,7 @@ class Transformer:
         q, k, v = qkv
 
         def reorder(t, n_head: int):
-            if t is None:
-                return None
-            if isinstance(t, QuantizedBlocks):  # whole rows of blocks move; nothing is decoded
-                return t.with_row_order(lambda rows: to_norm_order(rows, n_head))
-            return to_norm_order(t, n_head)
+            return None if t is None else reorder_rows(t, lambda rows: to_norm_order(rows, n_head))
 
         return [reorder(q, cfg.n_head), reorder(k, cfg.n_head_kv), v]
 

@@ -97,13 +97,20 @@ class Estimate:
 # ---- header readers ----------------------------------------------------------------------------
 def config_from_headers(path: str | Path) -> ModelConfig:
     """The ModelConfig of a GGUF file or HF folder, from its header / config.json only."""
+    return read_headers(path)[0]
+
+
+def read_headers(path: str | Path) -> tuple[ModelConfig, dict[str, str] | None]:
+    """The ModelConfig of a GGUF file or HF folder, and a GGUF's storage type of each tensor (llama.cpp
+    name -> type; None for a Hugging Face folder, whose weights are never packed), from the header or
+    config.json only: the header is read once."""
     from engine.models.load import locate_model
 
     path, file_format = locate_model(resolve_model_path(path))
-    return _hf_config(path) if file_format == "hf" else _gguf_config(path)
+    return (_hf_config(path), None) if file_format == "hf" else _gguf_header(path)
 
 
-def _gguf_config(path: Path) -> ModelConfig:
+def _gguf_header(path: Path) -> tuple[ModelConfig, dict[str, str]]:
     from engine.formats.gguf_file import (
         check_tensor_infos,
         config_from_reader,
@@ -115,7 +122,7 @@ def _gguf_config(path: Path) -> ModelConfig:
     # rope_freqs (llama3) changes RoPE angles, not sizes: left out so that no tensor data is read
     config = config_from_reader(reader, metadata_from_reader(reader, path), path)
     check_tensor_infos(reader, config, path)  # a file that cannot load gets no estimate, told in its names
-    return config
+    return config, {t.name: t.tensor_type.name for t in reader.tensors}
 
 
 def _hf_config(folder: Path) -> ModelConfig:
@@ -143,8 +150,7 @@ def estimate(path: str | Path = "demo", *, dtype: str = "f32", keep_quantized: b
     swa_full, devices, n_gpu_layers, tensor_split, offload_kqv, tensor_overrides, kvsize, swa_window),
     without reading tensor data. keep_quantized: as engine.load_model's (a GGUF's quantized matrices
     count their packed bytes)."""
-    cfg, name, gpus = _read_target(path, dtype, settings)
-    file_types = file_tensor_types(path) if keep_quantized else None
+    cfg, file_types, name, gpus = _read_target(path, dtype, settings, keep_quantized)
     n_gpu_layers = gpu_layers(settings.get("n_gpu_layers"))
     for line in no_gpu_warning_lines(n_gpu_layers, gpus, setting=f"n_gpu_layers = {n_gpu_layers}",
                                      virtual_gpu='devices=["VGPU0=2GiB"]'):
@@ -152,24 +158,14 @@ def estimate(path: str | Path = "demo", *, dtype: str = "f32", keep_quantized: b
     return _estimate(cfg, name, gpus, dtype, file_types=file_types, **settings)
 
 
-def file_tensor_types(path: str | Path) -> dict[str, str] | None:
-    """llama.cpp tensor name -> GGUF storage type, from a GGUF's tensor infos; None for a Hugging Face
-    folder (its weights are never packed)."""
-    from engine.formats.gguf_file import open_gguf
-    from engine.models.load import locate_model
-
-    path, file_format = locate_model(resolve_model_path(path))
-    if file_format == "hf":
-        return None
-    return {t.name: t.tensor_type.name for t in open_gguf(path).tensors}
-
-
-def _read_target(path: str | Path, dtype: str, settings: dict) -> tuple[ModelConfig, str, list[Device]]:
-    """Config and name from the headers, and the GPUs of settings["devices"] (taken out of settings)."""
+def _read_target(path: str | Path, dtype: str, settings: dict, keep_quantized: bool
+                 ) -> tuple[ModelConfig, dict[str, str] | None, str, list[Device]]:
+    """Config, the tensors' storage types when quantized ones stay packed (else None) and name from the
+    headers, and the GPUs of settings["devices"] (taken out of settings)."""
     compute_dtype(dtype)
-    cfg = config_from_headers(path)
+    cfg, file_types = read_headers(path)
     name = cfg.name or Path(resolve_model_path(path)).name
-    return cfg, name, resolve_gpus(settings.pop("devices", None))
+    return cfg, file_types if keep_quantized else None, name, resolve_gpus(settings.pop("devices", None))
 
 
 def _estimate(cfg: ModelConfig, name: str, gpus: Sequence[Device], dtype: str, *, n_ctx: int | None = None,
@@ -209,8 +205,7 @@ def fit(path: str | Path = "demo", *, dtype: str = "f32", fit_target: int = 0, f
 
     if fit_target < 0 or fit_ctx_min < 0:
         raise ContextParamsError(f"fit_target and fit_ctx_min must be >= 0, got {fit_target} and {fit_ctx_min}")
-    cfg, name, gpus = _read_target(path, dtype, settings)
-    settings["file_types"] = file_tensor_types(path) if keep_quantized else None
+    cfg, settings["file_types"], name, gpus = _read_target(path, dtype, settings, keep_quantized)
     settings.pop("n_gpu_layers", None)
     settings["n_ctx"] = context_size(settings.pop("n_ctx", None), settings.pop("kvsize", None))
     pad = settings.get("pad", 256)
