@@ -144,7 +144,7 @@ def run_transformers(hf, prompt: list[int], n_new: int) -> tuple[float, float]:
     return len(prompt) / t_prompt, (n_new - 1) / max(t_gen - t_prompt, 1e-9)
 
 
-KVSCOPE_SETTINGS: dict = {}  # placement (--ngl) for every kvscope context of the run
+KVSCOPE_SETTINGS: dict = {}  # placement (--ngl) and cache type of every kvscope context in a speed run
 
 
 def run_kvscope(model, prompt: list[int], n_new: int, with_subscriber: bool) -> tuple[float, float, int, np.ndarray]:
@@ -175,16 +175,16 @@ def weight_streaming_floor(model, reps: int = 10) -> float | None:
     product each, in the engine's layout): about the memory-bandwidth ceiling of any engine holding
     these weights on this machine. None for packed weights (their kernels are the floor)."""
     tf = model.transformer
-    mats = [tf.lm_head_t] + [w for layer in tf.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+    mats = [tf.lm_head] + [w for layer in tf.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
     if any(not isinstance(m, torch.Tensor) for m in mats):
         return None
-    xs = {m.shape[1]: torch.randn(1, m.shape[1], dtype=m.dtype, device=m.device) for m in mats}
+    xs = {m.shape[-1]: torch.randn(1, m.shape[-1], dtype=m.dtype, device=m.device) for m in mats}
     times = []
     with torch.no_grad():
         for _ in range(reps):
             t0 = time.perf_counter()
             for m in mats:
-                project(xs[m.shape[1]], m)
+                project(xs[m.shape[-1]], m)
             if mats[0].is_cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
@@ -215,11 +215,11 @@ def speed_main(args) -> None:
             from transformers import AutoModelForCausalLM
 
             hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        llama = LlamaCpp(gguf, n_ctx=512) if lib is not None else None
+        llama = LlamaCpp(gguf, n_ctx=512, cache_type=args.cache_type) if lib is not None else None
         file_bytes = gguf.stat().st_size
     print(f"model: llama, {model.transformer.n_params() / 1e6:.1f} M parameters, {args.weights} weights "
           f"(GGUF {file_bytes / 2**20:.1f} MiB; kvscope holds {weight_bytes(model) / 2**20:.1f} MiB), "
-          f"{args.dtype} compute, f32 cache, torch threads {torch.get_num_threads()}"
+          f"{args.dtype} compute, {args.cache_type} cache, torch threads {torch.get_num_threads()}"
           + (f", n_gpu_layers {args.ngl}" if args.ngl else ""))
     if lib is None:
         print("llama.cpp: not run (" + ("--no-llama-cpp)" if args.no_llama_cpp else "llama-cpp-python is not installed)"))
@@ -399,7 +399,8 @@ def main() -> None:
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers")
     parser.add_argument("--context", action="append", default=[],
                         help="cells before the timed decodes, e.g. 256,1024,4096,8192 (repeatable)")
-    parser.add_argument("--cache-types", default="f32", help="with --context: K and V cache types, e.g. f32,f16")
+    parser.add_argument("--cache-types", default="f32",
+                        help="K and V cache types, e.g. f32,f16 (with --context: each; otherwise the first, for every engine)")
     parser.add_argument("--decodes", type=int, default=16, help="with --context: timed decodes per run")
     parser.add_argument("--fill", choices=("synthetic", "model"), default="synthetic",
                         help="with --context: how kvscope's N cells are filled")
@@ -410,6 +411,9 @@ def main() -> None:
     torch.manual_seed(0)
     if args.ngl:
         KVSCOPE_SETTINGS["n_gpu_layers"] = args.ngl
+    # one cache type for both engines (kvscope's own default, like llama.cpp's, is f16)
+    args.cache_type = args.cache_types.split(",")[0]
+    KVSCOPE_SETTINGS.update(type_k=args.cache_type, type_v=args.cache_type)
     if args.cache_memory:
         cache_memory_main(args)
     elif args.context:

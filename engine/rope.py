@@ -138,11 +138,17 @@ class Rotary:
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [T, n_head, D]; cos, sin: [T, D] (NEOX) or [T, D/2, 2] (NORM), which also says which
         dims turn together."""
-        if cos.dim() == 3:
-            pairs = x.unflatten(-1, (-1, 2))  # [T, n_head, D/2, 2]: dims 2i, 2i + 1
+        return Rotary.turn(x, cos[:, None], sin[:, None])
+
+    @staticmethod
+    def turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """apply() with the tables already broadcast over heads: cos, sin [T, 1, D] (NEOX) or
+        [T, 1, D/2, 2] (NORM)."""
+        if cos.dim() == 4:
+            T, n_head, D = x.shape
+            pairs = x.view(T, n_head, D // 2, 2)  # dims 2i, 2i + 1 (a view: only the last dim is split)
             # flip swaps each pair: of the ways to reorder the pairs, the quickest for one token
-            return (pairs * cos[:, None] + pairs.flip(-1) * sin[:, None]).flatten(-2)
-        cos, sin = cos[:, None, :], sin[:, None, :]
+            return (pairs * cos + pairs.flip(-1) * sin).view(T, n_head, D)
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin

@@ -83,7 +83,7 @@ def weight_tensors(model) -> dict[str, list[torch.Tensor]]:
     tf = model.transformer
     out = {f"layer {il}": [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
            for il, layer in enumerate(tf.layers)}
-    out["output"] = [t for t in (tf.norm, tf.lm_head_t, tf.output_embd) if t is not None]
+    out["output"] = [t for t in (tf.norm, tf.lm_head, tf.output_embd) if t is not None]
     out["input"] = [tf.tok_embd]
     return out
 

@@ -86,7 +86,8 @@ class UbatchAttention:
         out = []
         for rows, new, scratch in ((cache.k[i], k, cache.read_scratch[0]), (cache.v[i], v, cache.read_scratch[1])):
             rows.write(self._token_stream, self._token_cell, new)
-            out.append(rows.read_heads(self._stream_slice, self.n_visible, dtype, scratch).to(k.device))
+            heads = rows.read_heads(self._stream_slice, self.n_visible, dtype, scratch)
+            out.append(heads if heads.device == k.device else heads.to(k.device))
         if k.device not in self._mask_on:  # built on the host once; one copy per device whose layers attend
             self._mask_on[k.device] = None if self.attend_mask is None else self.attend_mask.to(k.device)
         return out[0], out[1], self._mask_on[k.device]

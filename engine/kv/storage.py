@@ -82,15 +82,21 @@ class RowStorage:
 
     def write(self, streams: torch.Tensor, cells: torch.Tensor, rows: torch.Tensor) -> None:
         """Store rows [N, width] (any float dtype) at (streams[i], cells[i])."""
+        # .to() only where something changes: a no-op .to() still costs a dispatch, and decode writes
+        # two rows per layer and token
         if streams.device != self.device:
             streams, cells = streams.to(self.device), cells.to(self.device)
-        rows = rows.to(self.device)
+        if rows.device != self.device:
+            rows = rows.to(self.device)
         if self.ctype.is_quantized:
             self.data[streams, cells] = self.ctype.quantize(rows.float())
-        elif self.transposed:
-            self.data[streams, :, cells] = rows.to(self.data.dtype)
+            return
+        if rows.dtype != self.data.dtype:
+            rows = rows.to(self.data.dtype)
+        if self.transposed:
+            self.data[streams, :, cells] = rows
         else:
-            self.data[streams, :, cells] = rows.to(self.data.dtype).view(-1, self.n_head, self.head_dim)
+            self.data[streams, :, cells] = rows.view(-1, self.n_head, self.head_dim)
 
     def read_heads(self, streams: slice | torch.Tensor, n_kv: int, dtype: torch.dtype,
                    scratch: Scratch | None = None) -> torch.Tensor:
@@ -105,7 +111,9 @@ class RowStorage:
         heads = self.data[streams, :, :n_kv]
         if self.transposed:  # [n_streams, width, n_kv] -> a view by head
             heads = heads.view(heads.shape[0], self.n_head, self.head_dim, n_kv).transpose(-1, -2)
-        if heads.dtype == dtype or scratch is None:
+        if heads.dtype == dtype:
+            return heads
+        if scratch is None:
             return heads.to(dtype)
         return scratch.take(heads.shape, dtype, heads.device, self.data.numel()).copy_(heads)
 

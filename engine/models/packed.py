@@ -72,6 +72,9 @@ SUPPORTED_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
 PLAIN_ROW_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
 
 INT4_GROUP = 32  # group size passed to the int4 kernels (one ggml sub-block)
+# the CPU kernels' overloads, resolved once (the packet's lookup runs Python on every call)
+_int4_mm_cpu = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+_int8_mm = torch.ops.aten._weight_int8pack_mm.default
 INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu needs N % 16 == 0 (CUDA: N % 8)
 CPU_INT4_INNER_K_TILES = 2  # ignored by the CPU packer (1, 2, 4, 8 give the same bytes)
 # Rows packed per call of the CPU packer: bounds the int32 copy it needs. Must be a multiple of 64:
@@ -331,6 +334,11 @@ class _Int4Part:
     def n_pad(self) -> int:
         return self.scales_zeros.shape[1]
 
+    def __post_init__(self) -> None:
+        # read by every matmul: worked out once (properties and device checks cost per call)
+        object.__setattr__(self, "on_cpu", self.weight.device.type == "cpu")
+        object.__setattr__(self, "unpadded", self.n_pad == self.n)
+
     @staticmethod
     def build(q: np.ndarray, scale: np.ndarray, zero: np.ndarray, device: torch.device) -> _Int4Part:
         n, k = q.shape
@@ -366,11 +374,11 @@ class _Int4Part:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         xb = x.to(torch.bfloat16).contiguous()
-        if self.weight.device.type == "cpu":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.weight, INT4_GROUP, self.scales_zeros)
+        if self.on_cpu:
+            y = _int4_mm_cpu(xb, self.weight, INT4_GROUP, self.scales_zeros)
         else:  # UNTESTED: CUDA
             y = torch.ops.aten._weight_int4pack_mm(xb, self.weight, INT4_GROUP, self.scales_zeros)
-        return y[:, : self.n] if self.n_pad != self.n else y
+        return y if self.unpadded else y[:, : self.n]
 
     def dequantize(self) -> torch.Tensor:
         q = self.values()[: self.n].float()
@@ -424,8 +432,8 @@ class _Int8Part:
         return self.q.shape[1]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.q.device.type == "cpu":  # CPU: x, scales and the result share one dtype; bf16 is the fast one
-            return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.q, self.scales)
+        if self.q.is_cpu:  # CPU: x, scales and the result share one dtype; bf16 is the fast one
+            return _int8_mm(x.to(torch.bfloat16).contiguous(), self.q, self.scales)
         # UNTESTED: CUDA's _weight_int8pack_mm (aten/src/ATen/native/cuda/int8mm.cu) computes in float32
         return torch.ops.aten._weight_int8pack_mm(x.float().contiguous(), self.q, self.scales.float())
 
@@ -579,6 +587,8 @@ class PackedWeight:
         if x.shape[-1] != self._n_in or not x.is_floating_point():
             raise ValueError(f"PackedWeight{self.shape}.matmul needs float inputs [..., {self._n_in}]; "
                              f"got {x.dtype} {list(x.shape)}")
+        if x.dim() == 2 and x.shape[0] and len(self._parts) == 1 and self._gather is None:
+            return self._parts[0].matmul(x).to(x.dtype)  # the model's case, without the general path's ops
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self._n_in)
         if x2.shape[0] == 0:

@@ -68,7 +68,7 @@ class LayerWeights:
     """One block's weights. Q, K and V are one matrix, gate and up another: one matmul each."""
 
     attn_norm: torch.Tensor
-    wqkv: torch.Tensor  # n_embd -> (n_head + 2 n_head_kv) * head_dim, column-blocked (see input_major)
+    wqkv: torch.Tensor  # n_embd -> (n_head + 2 n_head_kv) * head_dim, in row blocks (see row_blocks)
     bqkv: torch.Tensor | None
     wo: torch.Tensor  # n_head * head_dim -> n_embd
     bo: torch.Tensor | None
@@ -83,23 +83,31 @@ class LayerWeights:
 
 
 MIN_SPLIT_ELEMENTS = 1 << 18  # 1 MiB of f32: below this a matrix-vector product is not bandwidth-bound
+SPLIT_MAX_TOKENS = 64  # up to this many rows of x, products run per row block; above, as one GEMM
 
 
-def input_major(weight: torch.Tensor, dtype: torch.dtype, n_split: int) -> torch.Tensor:
-    """[out, in] (the files' layout) -> [n_split, in, out / n_split]: column blocks, input-major.
+def row_blocks(weight: torch.Tensor, dtype: torch.dtype, n_split: int) -> torch.Tensor:
+    """[out, in] (the files' layout) in the compute dtype, viewed as [n_split, out / n_split, in]:
+    row blocks of one contiguous matrix.
 
-    Decode multiplies one row by every weight matrix, so it is bound by memory bandwidth. One
-    vector-matrix product streams weights at about 25 GB/s on this kind of CPU; a batched product
-    over two column blocks keeps both cores reading, at about 40 GB/s, with each output computed
-    exactly as before (the blocks split outputs, never the sum). Small matrices stay in one block:
-    for them the threads' start-up costs more than it saves, and much more on a busy machine."""
-    w = weight.t().to(dtype)  # [in, out]
-    if n_split > 1 and w.shape[1] % n_split == 0 and w.numel() >= MIN_SPLIT_ELEMENTS:
-        return w.reshape(w.shape[0], n_split, -1).permute(1, 0, 2).contiguous()
-    return w.contiguous()[None]
+    Decode multiplies one row by every weight matrix, so it is bound by memory bandwidth. Each output
+    is the dot product of one contiguous weight row with x, as ggml computes it; a batched product
+    over n_split (= threads) row blocks keeps every core streaming its own block. On a 2-core EPYC
+    this reads f32 weights at ~26 GB/s, against ~20 for two column blocks of the transposed matrix
+    and ~11 for F.linear (MKL's x @ W.T with one row). Small matrices stay in one block: for them
+    the threads' start-up costs more than it saves, and much more on a busy machine."""
+    return as_row_blocks(weight.to(dtype).contiguous(), n_split)
 
 
-Weight = torch.Tensor | PackedWeight  # a matrix: float, column-blocked (input_major), or packed quantized
+def as_row_blocks(w: torch.Tensor, n_split: int) -> torch.Tensor:
+    """A contiguous [out, in] matrix viewed as row blocks [n_split, out / n_split, in] (one block when it
+    is small or out does not divide)."""
+    if n_split > 1 and w.shape[0] % n_split == 0 and w.numel() >= MIN_SPLIT_ELEMENTS:
+        return w.view(n_split, w.shape[0] // n_split, w.shape[1])
+    return w[None]
+
+
+Weight = torch.Tensor | PackedWeight  # a matrix: float in row blocks (row_blocks), or packed quantized
 
 
 def fused_matrix(parts: list[torch.Tensor | QuantizedBlocks], dtype: torch.dtype, n_split: int) -> Weight:
@@ -109,7 +117,7 @@ def fused_matrix(parts: list[torch.Tensor | QuantizedBlocks], dtype: torch.dtype
     if all(isinstance(p, QuantizedBlocks) for p in parts):
         return PackedWeight.from_gguf_parts([(p.blocks, p.type_name, p.shape[0]) for p in parts], parts[0].shape[1])
     floats = [p.dequantize() if isinstance(p, QuantizedBlocks) else p for p in parts]
-    return input_major(floats[0] if len(floats) == 1 else torch.cat(floats), dtype, n_split)
+    return row_blocks(floats[0] if len(floats) == 1 else torch.cat(floats), dtype, n_split)
 
 
 def weight_nbytes(t: torch.Tensor | PackedWeight | PackedRows) -> int:
@@ -125,24 +133,25 @@ def weight_numel(t: torch.Tensor | PackedWeight | PackedRows) -> int:
 
 
 def project(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] times a column-blocked weight [n_split, in, out / n_split] or a packed one (+ bias)
+    """x [T, in] times a weight in row blocks [n_split, out / n_split, in] or a packed one (+ bias)
     -> [T, out]."""
     if isinstance(weight, PackedWeight):
         y = weight.matmul(x)
         return y if bias is None else y + bias
-    n_split = weight.shape[0]
-    if n_split == 1:
-        y = x @ weight[0]
-    else:
-        y = torch.bmm(x.unsqueeze(0).expand(n_split, -1, -1), weight)  # [n_split, T, out / n_split]
-        y = y.transpose(0, 1).reshape(x.shape[0], n_split * weight.shape[2])
+    n_split, _, n_in = weight.shape
+    T = x.shape[0]
+    if n_split == 1 or not 0 < T <= SPLIT_MAX_TOKENS:  # one GEMM (prefill, small matrices, no rows)
+        return F.linear(x, weight.view(-1, n_in), bias)
+    y = torch.bmm(weight, x.t().expand(n_split, n_in, T)).view(-1, T)  # [out, T]: each block's outputs
+    y = y.t() if T == 1 else y.t().contiguous()
     return y if bias is None else y + bias
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama's RMSNorm: normalise in float32, cast, then multiply by the weight in the compute dtype."""
-    if x.dtype == torch.float32:  # the same operations, without two no-op casts (decode calls this 25 times)
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # the same operations in one call (decode calls this 25 times per token): x * rsqrt(mean(x^2) + eps) * w
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -263,12 +272,12 @@ class Transformer:
         self.tok_embd = (PackedRows.from_gguf_blocks(embd.blocks, embd.type_name, *embd.shape)
                          if isinstance(embd, QuantizedBlocks) else w("model.embed_tokens.weight"))
         self.norm = norm_w("model.norm.weight")
-        # Tied embeddings stay [n_vocab, n_embd] and go through F.linear rather than being copied; a
+        # Tied embeddings stay [n_vocab, n_embd], the output layer's own layout, and are not copied; a
         # quantized tied embedding also has a packed copy for the output layer (the blocks have no
         # kernel, the packed int4 form no row access).
-        n_split = max(1, torch.get_num_threads())
+        self.n_split = n_split = max(1, torch.get_num_threads())
         self.tied = config.tie_word_embeddings
-        self.lm_head_t = None if self.tied else fused_matrix([tensors["lm_head.weight"]], dtype, n_split)
+        self.lm_head = None if self.tied else fused_matrix([tensors["lm_head.weight"]], dtype, n_split)
         self.packed_output_copy = self.tied and isinstance(embd, QuantizedBlocks)
         self.layers = []
         for i in range(config.n_layer):
@@ -348,8 +357,8 @@ class Transformer:
             for name, tensors in self.layer_field_tensors(il).items():
                 add(devs.fields[name], self._nbytes(tensors))
         add(wd.output_norm, self._nbytes([self.norm]))
-        if self.lm_head_t is not None:
-            add(wd.output, self._nbytes([self.lm_head_t]))
+        if self.lm_head is not None:
+            add(wd.output, self._nbytes([self.lm_head]))
         elif self.packed_output_copy:
             add(wd.output, self._nbytes([self.output_embd]))
         elif wd.output.name != wd.tok_embd.name:
@@ -372,7 +381,7 @@ class Transformer:
         elif self.tied:
             self.output_embd = self.tok_embd.to(wd.output.torch_device)  # the same tensor on the same device
         else:
-            self.lm_head_t = self.lm_head_t.to(wd.output.torch_device)
+            self.lm_head = self.lm_head.to(wd.output.torch_device)
         self.weight_devices = wd
 
     def _move(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -393,7 +402,7 @@ class Transformer:
         return self._move(x, dst.torch_device)
 
     def n_params(self) -> int:
-        tensors = [self.tok_embd, self.norm] + ([] if self.lm_head_t is None else [self.lm_head_t])
+        tensors = [self.tok_embd, self.norm] + ([] if self.lm_head is None else [self.lm_head])
         for layer in self.layers:
             tensors += [t for t in vars(layer).values() if t is not None]
         return sum(weight_numel(t) for t in tensors)
@@ -464,7 +473,7 @@ class Transformer:
                       output_rows: torch.Tensor, should_abort: Callable[[], bool] | None = None, *,
                       probe: WeightsProbe | None = None) -> torch.Tensor:
         """`forward` without inference mode, so that autograd records it: when the tensors the
-        Transformer was built from require grad, the loss reaches them through the fused, input-major
+        Transformer was built from require grad, the loss reaches them through the fused, row-blocked
         weights (tools/train_demo_model.py trains this way with engine.models.full_sequence)."""
         cfg, wd, to = self.config, self.weight_devices, self._to
         x = self.embed(tokens)  # [T, C]
@@ -482,12 +491,12 @@ class Transformer:
         x = x[output_rows.to(x.device)]  # only the output rows cross to the output layer
         x = self._norm(to(x, at, wd.output_norm), self.norm, cfg.rms_norm_eps)
         x = to(x, wd.output_norm, wd.output)
-        if self.lm_head_t is not None:
-            logits = project(x, self.lm_head_t)
+        if self.lm_head is not None:
+            logits = project(x, self.lm_head)
         elif isinstance(self.output_embd, PackedWeight):
             logits = project(x, self.output_embd)
         else:
-            logits = F.linear(x, self.output_embd)
+            logits = project(x, as_row_blocks(self.output_embd, self.n_split))
         # logits are read on the host: from an offloaded output layer that is one more crossing, and
         # with a large vocabulary the largest one per token
         logits = self._to(logits.float(), wd.output, CPU)
@@ -502,7 +511,8 @@ class RopeTables:
 
     def __init__(self, rotary: Rotary, positions: torch.Tensor, dtype: torch.dtype) -> None:
         self._layer_table = rotary.layer_table
-        self._tables = {torch.device("cpu"): rotary.tables(positions, dtype)}
+        # shaped once to broadcast over heads (Rotary.turn), rather than per layer
+        self._tables = {torch.device("cpu"): [(c[:, None], s[:, None]) for c, s in rotary.tables(positions, dtype)]}
 
     def apply(self, il: int, x: torch.Tensor) -> torch.Tensor:
         tables = self._tables.get(x.device)
@@ -510,4 +520,4 @@ class RopeTables:
             cpu = self._tables[torch.device("cpu")]
             tables = self._tables[x.device] = [(c.to(x.device), s.to(x.device)) for c, s in cpu]
         cos, sin = tables[self._layer_table[il]]
-        return Rotary.apply(x, cos, sin)
+        return Rotary.turn(x, cos, sin)

@@ -85,11 +85,12 @@ class LayerDevices:
     kv: Device
     fields: dict[str, Device]
 
-    def __getattr__(self, name: str) -> Device:  # layer.wqkv etc.; only for fields, never dataclass slots
-        try:
-            return self.__dict__["fields"][name]
-        except KeyError:
-            raise AttributeError(name) from None
+    def __post_init__(self) -> None:
+        # each field also as a plain attribute (devs.wqkv): the forward pass reads ~20 per layer and
+        # token, and a __getattr__ fallback costs a failed lookup each time
+        for name, device in self.fields.items():
+            if name not in ("residual", "kv", "fields"):
+                object.__setattr__(self, name, device)
 
 
 @dataclass(frozen=True)
