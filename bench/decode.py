@@ -170,6 +170,37 @@ def run_kvscope(model, prompt: list[int], n_new: int, with_subscriber: bool) -> 
             prompt_logits)
 
 
+def event_overhead_lockstep(model, prompt: list[int], n_new: int) -> tuple[list[float], int]:
+    """Per-token cost of events, paired in time: two contexts on the same model decode the same greedy
+    tokens in lockstep, one on a bus with a recording subscriber and one with none (the engine then
+    builds no events). Each step times both decodes back to back, in alternating order, so that the
+    machine's drifting speed cancels out of each ratio. Returns the per-step ratios with / without - 1
+    and the events recorded."""
+    bus = engine.EventBus()
+    recorded: list = []
+    sub = bus.subscribe_callback(recorded.append)
+    plain = engine.Context(model, n_ctx=512, n_batch=N_UBATCH, n_ubatch=N_UBATCH, **KVSCOPE_SETTINGS)
+    watched = engine.Context(model, n_ctx=512, n_batch=N_UBATCH, n_ubatch=N_UBATCH, bus=bus, **KVSCOPE_SETTINGS)
+    for ctx in (plain, watched):
+        assert ctx.decode(Batch.for_sequence(prompt, 0, 0)) == 0
+    token = int(plain.logits(-1).argmax())
+    ratios = []
+    for i in range(n_new):
+        batch = Batch.for_sequence([token], 0, len(prompt) + i)
+        ms = {}
+        for ctx in ((plain, watched) if i % 2 == 0 else (watched, plain)):
+            t0 = time.perf_counter()
+            assert ctx.decode(batch) == 0
+            ms[ctx is watched] = time.perf_counter() - t0
+        ratios.append(ms[True] / ms[False] - 1)
+        token = int(plain.logits(-1).argmax())
+    deadline = time.time() + 5
+    while sub.pending() and time.time() < deadline:
+        time.sleep(0.01)
+    sub.close()
+    return ratios, len(recorded)
+
+
 def weight_streaming_floor(model, reps: int = 10) -> float | None:
     """Tokens/s if a decode step did nothing but read every weight matrix once (one vector-matrix
     product each, in the engine's layout): about the memory-bandwidth ceiling of any engine holding
@@ -267,8 +298,12 @@ def speed_main(args) -> None:
         print("decode speed as a share of the weights floor: "
               + ", ".join(f"{k} {med[k][1] / floor:.0%}" for k in rows if k != "kvscope+events"))
     overhead = 1 - paired("kvscope+events", "kvscope", 1)
-    print(f"event overhead (recording subscriber vs none), decode: {overhead * 100:+.2f}% "
+    print(f"event overhead (recording subscriber vs none), whole generations: {overhead * 100:+.2f}% "
           f"({n_events} events per generation)")
+    ratios, n_lockstep = event_overhead_lockstep(model, prompt, args.new)
+    q1, med, q3 = statistics.quantiles(ratios, n=4)
+    print(f"event overhead per decoded token, lockstep pairs: median {med * 100:+.2f}% (quartiles {q1 * 100:+.1f}% "
+          f".. {q3 * 100:+.1f}%, {len(ratios)} tokens, {n_lockstep} events)")
     if "llama.cpp" in logits:
         print(f"last prompt token's logits, kvscope vs llama.cpp: {logits_agreement(logits['kvscope'], logits['llama.cpp'])}")
 

@@ -141,9 +141,22 @@ class Rotary:
         return Rotary.turn(x, cos[:, None], sin[:, None])
 
     @staticmethod
-    def turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """apply() with the tables already broadcast over heads: cos, sin [T, 1, D] (NEOX) or
-        [T, 1, D/2, 2] (NORM)."""
+    def broadcast_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """cos, sin as `turn` takes them: broadcast over heads, and for NORM pairs in float32 one
+        complex table (cos + i sin) [T, 1, D/2] with sin None: a pair (x0, x1) is then turned by one
+        complex product, (x0 + i x1)(cos + i sin), which is bit for bit x0 cos - x1 sin, x1 cos + x0 sin
+        (tests/test_state_llama_layout.py), in one operation instead of four."""
+        if cos.dim() == 3 and cos.dtype == torch.float32:
+            return torch.complex(cos[..., 0], sin[..., 1])[:, None], None
+        return cos[:, None], sin[:, None]
+
+    @staticmethod
+    def turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor | None) -> torch.Tensor:
+        """apply() with tables from broadcast_tables: cos, sin [T, 1, D] (NEOX), [T, 1, D/2, 2] (NORM),
+        or a complex cos [T, 1, D/2] and sin None (NORM in float32)."""
+        if sin is None:
+            T, n_head, D = x.shape
+            return torch.view_as_real(torch.view_as_complex(x.view(T, n_head, D // 2, 2)) * cos).view(T, n_head, D)
         if cos.dim() == 4:
             T, n_head, D = x.shape
             pairs = x.view(T, n_head, D // 2, 2)  # dims 2i, 2i + 1 (a view: only the last dim is split)

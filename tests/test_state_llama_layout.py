@@ -187,6 +187,19 @@ def test_norm_rope_on_reordered_rows_is_neox_rope_reordered():
     torch.testing.assert_close(moved, Rotary.apply(keys, *norm.cos_sin(pos + delta, torch.float32)), rtol=0, atol=1e-4)
 
 
+def test_forward_pass_rotation_is_apply_bit_for_bit():
+    """The forward pass turns Q and K with the tables broadcast once per ubatch (float32 NORM pairs as
+    one complex product): exactly what Rotary.apply gives, which the K-shift and the tests above use."""
+    for arch, dtype in [("llama", torch.float32), ("llama", torch.bfloat16), ("qwen2", torch.float32)]:
+        rotary = Rotary(dataclasses.replace(tiny_config(n_embd=64, n_head=4, n_head_kv=2, head_dim=16), arch=arch))
+        pos = torch.tensor([0, 1, 17, 300, 2047, 5])
+        x = torch.randn(6, 1000, generator=torch.Generator().manual_seed(1)).to(dtype)[:, :6 * 16].view(6, 6, 16)  # a strided slice
+        cos, sin = rotary.cos_sin(pos, dtype)
+        tables = Rotary.broadcast_tables(cos, sin)
+        assert (tables[1] is None) == (arch == "llama" and dtype == torch.float32)
+        assert torch.equal(Rotary.turn(x, *tables), Rotary.apply(x, cos, sin)), (arch, dtype)
+
+
 def test_weight_rows_follow_the_converters_permutation():
     """to_norm_order is convert_hf_to_gguf's LlamaModel.permute: the key rows it yields are the keys
     with their dims reordered as llama_cpp_key_rows reorders them."""

@@ -512,12 +512,12 @@ class RopeTables:
     def __init__(self, rotary: Rotary, positions: torch.Tensor, dtype: torch.dtype) -> None:
         self._layer_table = rotary.layer_table
         # shaped once to broadcast over heads (Rotary.turn), rather than per layer
-        self._tables = {torch.device("cpu"): [(c[:, None], s[:, None]) for c, s in rotary.tables(positions, dtype)]}
+        self._tables = {torch.device("cpu"): [Rotary.broadcast_tables(c, s) for c, s in rotary.tables(positions, dtype)]}
 
     def apply(self, il: int, x: torch.Tensor) -> torch.Tensor:
         tables = self._tables.get(x.device)
         if tables is None:
             cpu = self._tables[torch.device("cpu")]
-            tables = self._tables[x.device] = [(c.to(x.device), s.to(x.device)) for c, s in cpu]
+            tables = self._tables[x.device] = [(c.to(x.device), None if s is None else s.to(x.device)) for c, s in cpu]
         cos, sin = tables[self._layer_table[il]]
         return Rotary.turn(x, cos, sin)
