@@ -288,6 +288,20 @@ def test_rebuild_onto_virtual_devices_and_a_refused_one(llama):
         assert session.add_prompt("still works").result() == 1
 
 
+def test_a_rebuild_refused_because_the_caller_holds_the_old_context_keeps_it(demo):
+    """A notebook that kept `ctx = session.ctx` keeps that context's weights placed: a rebuild that places
+    them otherwise is refused, and the session goes on with the very context it had, cells and all."""
+    with Session(demo, settings=dict(n_ctx=256), threaded=False) as session:
+        session.rebuild(devices=["VGPU0=64MiB"], n_gpu_layers=-1).result()
+        held = session.ctx
+        assert session.add_prompt("And God said").result() == 0
+        cells = held.memory.base.cells(0)
+        with pytest.raises(KvscopeError, match="placed .* by another context"):
+            session.rebuild(devices=["VGPU0=64MiB"], n_gpu_layers=2).result()
+        assert session.ctx is held and session.ctx.memory.base.cells(0) == cells
+        assert session.add_prompt("unto Moses").result() == 1
+
+
 def test_every_command_from_another_thread_while_generation_decodes(demo, tmp_path):
     settings = dict(n_ctx=256, pad=32, n_seq_max=4, kv_unified=True, swa_full=True)
     spec = WorkloadSpec("generate", n_predict=-1, sampler=GREEDY, context_shift=True, n_keep=2)

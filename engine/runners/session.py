@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -495,14 +496,22 @@ class Session:
         # The estimate cannot see everything a context checks (a device's free memory after this context's
         # weights leave it), so a refusal can still come after the old context is gone: its cells then come
         # back from a state snapshot. The workload starts afresh on them (what it was generating stops).
+        # A caller may still hold the old context (`ctx = session.ctx` in a notebook): then it is not freed,
+        # its weights keep their placement, and the new one may be refused for that very reason. Such a
+        # context is taken back as it is; recreating it would be refused the same way.
         saved = self.ctx.state_get_data() if self.ctx is not None else None
+        old_ctx = weakref.ref(self.ctx) if self.ctx is not None else lambda: None
         self._release_context()
         try:
             self.ctx = self._new_context(settings, self._spec, model)
         except Exception:
-            self.ctx = self._new_context(old_settings, self._spec, old_model)
-            if saved is not None:
-                self.ctx.state_set_data(saved)
+            still_held = old_ctx()
+            if still_held is not None:
+                self.ctx = still_held
+            else:
+                self.ctx = self._new_context(old_settings, self._spec, old_model)
+                if saved is not None:
+                    self.ctx.state_set_data(saved)
             self._workload = make_workload(self._spec, self.ctx)
             raise
         self._model, self._settings = model, settings
