@@ -24,3 +24,16 @@ def test_each_event_names_its_sequences_and_group():
     started = next(e for e in events if isinstance(e, ev.DecodeStarted))
     assert event_seqs(started) == {1, 2, 3} and event_group(started) == "decodes"
     assert "seq 1 -> 0" in describe_event(copied)
+
+
+def test_a_k_shift_counts_its_layers_in_words():
+    ctx = engine.Context(in_memory_model(), n_ctx=16, pad=8, type_k="f32", type_v="f32")
+    sub = ctx.bus.subscribe()
+    assert ctx.decode(Batch.for_sequence([5, 6, 7], 0, 0)) == 0
+    ctx.memory.seq_add(0, 0, -1, 2)
+    ctx.memory.update()
+    (shift,) = [e for e in sub.drain() if isinstance(e, ev.KShiftApplied)]
+    n = len(ctx.memory.k)
+    assert shift.n_layers == n and describe_event(shift).endswith(f"{n} layer{'s' if n != 1 else ''} re-rotated")
+    one = ev.KShiftApplied(shift.cache, shift.changes, amounts=shift.amounts, n_layers=1)
+    assert describe_event(one).endswith(" 1 layer re-rotated")

@@ -55,7 +55,8 @@ def _what(event: ev.Event) -> str:
         amount = f"{event.amount:+d}" if event.op == "add" else f"/{event.amount}"
         return f"{kind} {event.cache} seq {event.seq_id} [{event.p0}, {event.p1}) {amount}"
     if isinstance(event, ev.KShiftApplied):
-        return f"{kind} {event.cache} {_cells(event)}  {event.n_layers} layers re-rotated"
+        layers = "1 layer" if event.n_layers == 1 else f"{event.n_layers} layers"
+        return f"{kind} {event.cache} {_cells(event)}  {layers} re-rotated"
     if isinstance(event, ev.CellsChanged):
         return f"{kind} {event.cache} {_cells(event)}"
     if isinstance(event, ev.DecodeStarted):
