@@ -2,8 +2,10 @@
 
 A ~100M-parameter llama with random weights is written on the fly (nothing is downloaded), as a
 Hugging Face folder (for transformers) and as a GGUF of it (for kvscope and llama.cpp: the same file
-for both). Greedy, batch 1: a 128-token prompt, then 128 new tokens. Runs are interleaved and medians
-reported, because other jobs share the machine and absolute times swing.
+for both). Greedy, batch 1: a 128-token prompt, then 128 new tokens, the K/V cache in the first of
+--cache-types (default f32) in every engine. Runs are interleaved and medians reported, because other
+jobs share the machine and absolute times swing. The event overhead is measured per token with two
+kvscope contexts decoding in lockstep, one with a recording subscriber and one without.
 
     python bench/decode.py [--reps 3] [--prompt 128] [--new 128] [--weights F32|Q8_0|Q4_0|Q4_K|Q6_K]
 

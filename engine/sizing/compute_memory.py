@@ -52,7 +52,7 @@ def compute_bytes_by_device(config: ModelConfig, wd: WeightDevices, n_ubatch: in
         phase((devs.residual, residual), (devs.ffn_norm, T * c.n_embd * s),
               (devs.w_gate_up, 4 * T * c.n_ff * s),  # gate|up, the activation, their product
               (devs.w_down, T * (c.n_ff + c.n_embd) * s))
-    logits = 2 * T * c.n_vocab * s  # the column blocks' product and its reshape into rows
+    logits = 2 * T * c.n_vocab * s  # the row blocks' product and its copy into rows (one for few tokens)
     as_f32 = T * c.n_vocab * 4 if s != 4 else 0  # logits are handed out in float32
     host_copy = T * c.n_vocab * 4 if wd.output.torch_device.type != "cpu" else 0  # and read on the host
     phase((wd.output_norm, 2 * T * c.n_embd * s), (wd.output, T * c.n_embd * s + logits + as_f32),
