@@ -727,13 +727,16 @@ def _print_serve_banner(server, session) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logger = logging.getLogger("kvscope")
+    level = logger.level
     handler = _log_to_stderr(verbose=getattr(args, "verbose", False))
     try:
         return _run(args)
     except BrokenPipeError:
         return _stdout_reader_gone()
-    finally:
-        logging.getLogger("kvscope").removeHandler(handler)
+    finally:  # called in-process (a test, a notebook), -v must not leave kvscope's logger at DEBUG
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@ really takes."""
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import re
 import subprocess
@@ -188,5 +189,7 @@ def test_cli_prints_the_breakdown_after_load_and_at_exit_when_verbose(tiny_llama
     err = capsys.readouterr().err
     assert err.count("llama_memory_breakdown_print: | memory breakdown [MiB]") == 1
     assert re.search(r"llama_memory_breakdown_print: \|   - VGPU0 \(virtual, host memory\) \|\s+64 =", err)
+    level = logging.getLogger("kvscope").level
     assert main(argv + ["-v"]) == 0
     assert capsys.readouterr().err.count("memory breakdown [MiB]") == 2
+    assert logging.getLogger("kvscope").level == level  # -v in-process does not outlive the command
