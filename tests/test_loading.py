@@ -475,3 +475,13 @@ def test_bos_from_a_post_processor_is_the_default_and_not_doubled(tiny_llama_hf:
     assert ckpt.config.add_bos
     ids = ckpt.tokenizer.encode("hello")
     assert ids[0] == 0 and ids[1] != 0
+
+
+def test_test_model_writer_refuses_a_vocabulary_smaller_than_its_tokenizer(tmp_path: Path) -> None:
+    """The byte-level test tokenizer always holds 258 tokens: a smaller model vocabulary would make a folder
+    whose tokenizer has more tokens than the embedding has rows (its GGUF then fails to load)."""
+    from engine.testing import write_hf_model
+
+    with pytest.raises(ValueError, match="vocab_size must be at least 258"):
+        write_hf_model(tmp_path / "m", "llama", n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, vocab_size=256)
+    assert not (tmp_path / "m").exists()

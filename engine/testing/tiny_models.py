@@ -103,6 +103,10 @@ def train_tiny_tokenizer(vocab_size: int = 512, *, text: str | None = None) -> A
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    minimum = 2 + len(pre_tokenizers.ByteLevel.alphabet())
+    if vocab_size < minimum:  # the trainer would keep them all anyway: more tokens than the model's embedding rows
+        raise ValueError(f"vocab_size must be at least {minimum} (the special tokens <s> and </s> and the 256 byte "
+                         f"tokens of the byte-level tokenizer); got {vocab_size}")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
@@ -251,11 +255,9 @@ def write_hf_model(
         rope_theta_swa: gemma3's RoPE base of sliding layers (llama.cpp assumes 10000).
         attn_softcap, final_softcap: gemma2's soft-caps (default 50 and 30); gemma3's final soft-cap
             (default none).
-        The other arguments are the hyper-parameters, named as in ModelConfig; Gemma's
-        query_pre_attn_scalar is head_dim, which is what llama.cpp assumes.
-        max_shard_size: e.g. "100KB" or bytes; when given, weights are split into shards with
-            model.safetensors.index.json.
-        The other arguments are the hyper-parameters, named as in ModelConfig.
+        The other arguments are the hyper-parameters, named as in ModelConfig (vocab_size at least
+        258: the tokenizer's two special tokens and 256 bytes); Gemma's query_pre_attn_scalar is
+        head_dim, which is what llama.cpp assumes.
 
     Returns:
         the folder.
@@ -264,9 +266,9 @@ def write_hf_model(
         raise ValueError(f"arch {arch!r} is not one write_hf_model builds; use one of {', '.join(WRITABLE_ARCHITECTURES)}")
     gemma = arch in ("gemma2", "gemma3")
     tie = gemma if tie is None else tie
+    tokenizer = train_tiny_tokenizer(vocab_size)  # refuses a vocabulary it cannot fit, before any file is made
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tiny_tokenizer(vocab_size)
     config = _hf_config(
         arch,
         vocab_size=vocab_size,
