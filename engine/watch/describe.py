@@ -30,6 +30,11 @@ def describe_event(event: ev.Event) -> str:
     return text
 
 
+def _count(n: int, noun: str) -> str:
+    """'1 token', '3 tokens'."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _cells(event: ev.CellsChanged) -> str:
     parts = []
     for c in event.changes:
@@ -44,7 +49,7 @@ def _cells(event: ev.CellsChanged) -> str:
 def _what(event: ev.Event) -> str:
     kind = type(event).__name__
     if isinstance(event, ev.CellsAllocated):
-        return f"{kind} {event.cache} {_cells(event)}  ubatch {event.ubatch}, {event.n_tokens} tokens"
+        return f"{kind} {event.cache} {_cells(event)}  ubatch {event.ubatch}, {_count(event.n_tokens, 'token')}"
     if isinstance(event, ev.CellsRemoved):
         seq = "all seqs" if event.seq_id < 0 else f"seq {event.seq_id}"
         return f"{kind} {event.cache} {seq} [{event.p0}, {event.p1})  {event.reason}, {event.n_freed} freed"
@@ -55,8 +60,7 @@ def _what(event: ev.Event) -> str:
         amount = f"{event.amount:+d}" if event.op == "add" else f"/{event.amount}"
         return f"{kind} {event.cache} seq {event.seq_id} [{event.p0}, {event.p1}) {amount}"
     if isinstance(event, ev.KShiftApplied):
-        layers = "1 layer" if event.n_layers == 1 else f"{event.n_layers} layers"
-        return f"{kind} {event.cache} {_cells(event)}  {layers} re-rotated"
+        return f"{kind} {event.cache} {_cells(event)}  {_count(event.n_layers, 'layer')} re-rotated"
     if isinstance(event, ev.CellsChanged):
         return f"{kind} {event.cache} {_cells(event)}"
     if isinstance(event, ev.DecodeStarted):
@@ -104,11 +108,11 @@ def _server_what(event: ev.Event, kind: str) -> str:
         return (f"{kind} slot {event.slot} {event.action}{why} [{event.pos_min}, {event.pos_max}] n_tokens "
                 f"{event.n_tokens}, {event.n_bytes / 2**20:.3f} MiB; {event.n_held} held")
     if isinstance(event, ev.ServerSlotChanged):
-        return f"{kind} slot {event.slot} {event.why}: keeps {event.n_kept} tokens"
+        return f"{kind} slot {event.slot} {event.why}: keeps {_count(event.n_kept, 'token')}"
     if isinstance(event, ev.ServerTaskFinished):
         stop = f"error: {event.error}" if event.error else event.stop
         return (f"{kind} slot {event.slot} task {event.task}: {stop}; {event.n_cached} reused, {event.n_processed} "
-                f"processed, {event.n_generated} generated; the slot keeps {event.n_kept} tokens")
+                f"processed, {event.n_generated} generated; the slot keeps {_count(event.n_kept, 'token')}")
     return kind
 
 
