@@ -224,11 +224,6 @@ def weight_streaming_floor(model, reps: int = 10) -> float | None:
     return 1.0 / statistics.median(times)
 
 
-def weight_bytes(model) -> int:
-    tf = model.transformer
-    return sum(tf.weight_bytes_by_device(tf.weight_devices).values())
-
-
 def logits_agreement(ours: np.ndarray, theirs: np.ndarray) -> str:
     """How far two logit rows are apart, in words with numbers."""
     diff = np.abs(ours - theirs)
@@ -250,8 +245,9 @@ def speed_main(args) -> None:
             hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         llama = LlamaCpp(gguf, n_ctx=512, cache_type=args.cache_type) if lib is not None else None
         file_bytes = gguf.stat().st_size
+    held = model.transformer.resident_weight_bytes()
     print(f"model: llama, {model.transformer.n_params() / 1e6:.1f} M parameters, {args.weights} weights "
-          f"(GGUF {file_bytes / 2**20:.1f} MiB; kvscope holds {weight_bytes(model) / 2**20:.1f} MiB), "
+          f"(GGUF {file_bytes / 2**20:.1f} MiB; kvscope holds {held / 2**20:.1f} MiB), "
           f"{args.dtype} compute, {args.cache_type} cache, torch threads {torch.get_num_threads()}"
           + (f", n_gpu_layers {args.ngl}" if args.ngl else ""))
     if lib is None:

@@ -50,11 +50,6 @@ def file_tensor_bytes(path: Path) -> int:
     return sum(int(t.n_bytes) for t in open_gguf(path).tensors)
 
 
-def weight_bytes(model) -> int:
-    tf = model.transformer
-    return sum(tf.weight_bytes_by_device(tf.weight_devices).values())
-
-
 @pytest.mark.parametrize("tensor_type", TYPES)
 def test_packed_logits_stay_close_to_the_files_values(gguf_of, tensor_type):
     """Against the same file decoded exactly: int4 differs only by bf16 scales and activations, int8 by
@@ -82,9 +77,9 @@ def test_resident_weight_bytes_close_to_the_files(gguf_of, tensor_type, ratio):
     (torch has no 6-bit or group-wise int8 kernel). F32 norms count on both sides."""
     path = gguf_of(tensor_type)
     model = engine.load_model(path)
-    held, in_file = weight_bytes(model), file_tensor_bytes(path)
+    held, in_file = model.transformer.resident_weight_bytes(), file_tensor_bytes(path)
     assert held <= ratio * in_file, f"{tensor_type}: {held} bytes held for {in_file} in the file"
-    exact = weight_bytes(engine.load_model(path, keep_quantized=False))
+    exact = engine.load_model(path, keep_quantized=False).transformer.resident_weight_bytes()
     assert held < exact / 2.5  # f32 would be 3.8-7x the file
 
 
@@ -131,7 +126,7 @@ def test_tied_quantized_embedding_keeps_blocks_and_a_packed_output(tmp_path):
     model = engine.load_model(path)
     tf = model.transformer
     assert isinstance(tf.tok_embd, PackedRows) and isinstance(tf.output_embd, PackedWeight)
-    assert weight_bytes(model) == tf.tok_embd.nbytes + tf.output_embd.nbytes + sum(
+    assert model.transformer.resident_weight_bytes() == tf.tok_embd.nbytes + tf.output_embd.nbytes + sum(
         n for name, n in _layer_and_norm_bytes(tf))
     for settings in (dict(n_ctx=128), dict(n_ctx=128, n_gpu_layers=-1, devices=["VGPU0=256MiB"])):
         est = estimate(path, **settings)

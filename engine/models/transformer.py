@@ -365,6 +365,11 @@ class Transformer:
             add(wd.output, self._nbytes([self.tok_embd]))
         return out
 
+    def resident_weight_bytes(self) -> int:
+        """Bytes of weights held on all devices together under the current placement (packed bytes for
+        packed weights; a tied output layer copied to another device counts twice, as in llama.cpp)."""
+        return sum(self.weight_bytes_by_device(self.weight_devices).values())
+
     def place(self, wd: WeightDevices | None) -> None:
         """Move every weight to its device's torch device (None: all to the CPU). A virtual device's
         torch device is the CPU, so nothing moves in memory, but its boundaries are still crossed in
