@@ -149,24 +149,34 @@ def run_transformers(hf, prompt: list[int], n_new: int) -> tuple[float, float]:
 KVSCOPE_SETTINGS: dict = {}  # placement (--ngl) and cache type of every kvscope context in a speed run
 
 
+def speed_context(model, bus: engine.EventBus | None = None) -> engine.Context:
+    """A kvscope context of a speed run: 512 cells, one ubatch per prompt, KVSCOPE_SETTINGS."""
+    return engine.Context(model, n_ctx=512, n_batch=N_UBATCH, n_ubatch=N_UBATCH, bus=bus, **KVSCOPE_SETTINGS)
+
+
+def close_when_delivered(sub, timeout_s: float = 5.0) -> None:
+    """Close a subscribe_callback subscription once its thread has delivered what was queued."""
+    deadline = time.time() + timeout_s
+    while sub.pending() and time.time() < deadline:
+        time.sleep(0.01)
+    sub.close()
+
+
 def run_kvscope(model, prompt: list[int], n_new: int, with_subscriber: bool) -> tuple[float, float, int, np.ndarray]:
     """(prompt tokens/s, decode tokens/s, events recorded, the last prompt token's logits)."""
     bus = engine.EventBus()
     recorded: list = []
     sub = bus.subscribe_callback(recorded.append) if with_subscriber else None
-    first = engine.Context(model, n_ctx=512, n_batch=N_UBATCH, n_ubatch=N_UBATCH, **KVSCOPE_SETTINGS)
+    first = speed_context(model)
     assert first.decode(Batch.for_sequence(prompt, 0, 0)) == 0
     prompt_logits = first.logits(-1).float().cpu().numpy().copy()
     del first
-    ctx = engine.Context(model, n_ctx=512, n_batch=N_UBATCH, n_ubatch=N_UBATCH, bus=bus, **KVSCOPE_SETTINGS)
+    ctx = speed_context(model, bus)
     gen = Generator(ctx, SamplerParams(temperature=0.0, seed=0))
     result = gen.generate(prompt, n_new)
     assert len(result.tokens) == n_new, result.stop_reason
     if sub is not None:
-        deadline = time.time() + 5
-        while sub.pending() and time.time() < deadline:
-            time.sleep(0.01)
-        sub.close()
+        close_when_delivered(sub)
     perf = ctx.perf
     return (perf.n_p_eval / (perf.t_p_eval_ms / 1e3), perf.n_eval / (perf.t_eval_ms / 1e3), len(recorded),
             prompt_logits)
@@ -181,8 +191,7 @@ def event_overhead_lockstep(model, prompt: list[int], n_new: int) -> tuple[list[
     bus = engine.EventBus()
     recorded: list = []
     sub = bus.subscribe_callback(recorded.append)
-    plain = engine.Context(model, n_ctx=512, n_batch=N_UBATCH, n_ubatch=N_UBATCH, **KVSCOPE_SETTINGS)
-    watched = engine.Context(model, n_ctx=512, n_batch=N_UBATCH, n_ubatch=N_UBATCH, bus=bus, **KVSCOPE_SETTINGS)
+    plain, watched = speed_context(model), speed_context(model, bus)
     for ctx in (plain, watched):
         assert ctx.decode(Batch.for_sequence(prompt, 0, 0)) == 0
     token = int(plain.logits(-1).argmax())
@@ -196,10 +205,7 @@ def event_overhead_lockstep(model, prompt: list[int], n_new: int) -> tuple[list[
             ms[ctx is watched] = time.perf_counter() - t0
         ratios.append(ms[True] / ms[False] - 1)
         token = int(plain.logits(-1).argmax())
-    deadline = time.time() + 5
-    while sub.pending() and time.time() < deadline:
-        time.sleep(0.01)
-    sub.close()
+    close_when_delivered(sub)
     return ratios, len(recorded)
 
 

@@ -204,7 +204,7 @@ def cache_title(created: ev.ContextCreated) -> str:
     window = f"window {created.n_swa}" if created.n_swa else "full"
     n = len(created.layer_ids)
     types = created.type_k if created.type_k == created.type_v else f"{created.type_k}/{created.type_v}"
-    return f"{created.cache} · {window} · {n} layer{'s' if n != 1 else ''} · {types}"
+    return f"{created.cache} · {window} · {_count(n, 'layer')} · {types}"
 
 
 def held_seqs(mirror) -> list[int]:
