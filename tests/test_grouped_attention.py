@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.transformer import GROUPED_MAX_TOKENS, grouped_query_attention
+from engine.models.transformer import GROUPED_MAX_TOKENS, grouped_query_attention, single_query_attention
 
 
 @pytest.mark.parametrize("n_tokens", [1, 3, GROUPED_MAX_TOKENS, GROUPED_MAX_TOKENS + 1])
@@ -32,6 +32,75 @@ def test_grouped_attention_equals_repeated_kv(n_tokens, n_head, n_head_kv):
         got2 = grouped_query_attention(q, keys, values, mask2, 0.3)
         torch.testing.assert_close(got2[:, :, 0], got[:, :, 0])
         assert not torch.allclose(got2[:, :, 1:], got[:, :, 1:])
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+@pytest.mark.parametrize("n_head, n_head_kv", [(12, 4), (4, 4), (8, 1)])
+def test_single_query_attention_equals_the_grouped_path(with_mask, n_head, n_head_kv):
+    """A decode step's one token: the view that stacks its query heads per KV head gives what the
+    general grouped path gives, with a mask (other sequences' cells hidden) and without one."""
+    gen = torch.Generator().manual_seed(n_head * 10 + n_head_kv + with_mask)
+    D, n_kv = 16, 40
+    q = torch.randn(1, n_head, D, generator=gen)  # [T = 1, H, D], as RoPE leaves it
+    rows = torch.randn(2, 1, n_kv, n_head_kv * D, generator=gen)
+    keys, values = (r.view(1, n_kv, n_head_kv, D).transpose(1, 2) for r in rows)
+    mask = None
+    if with_mask:
+        mask = torch.rand(1, 1, 1, n_kv, generator=gen) > 0.5
+        mask[..., 0] = True
+    got = single_query_attention(q, keys, values, mask, 0.3)
+    expected = grouped_query_attention(q.view(1, 1, n_head, D).transpose(1, 2), keys, values, mask, 0.3)
+    assert got.shape == (1, n_head * D)
+    torch.testing.assert_close(got, expected.transpose(1, 2).reshape(1, n_head * D), rtol=1e-6, atol=1e-6)
+    if with_mask:  # the mask is applied: uncovering the hidden cells changes the result
+        assert not torch.allclose(got, single_query_attention(q, keys, values, None, 0.3))
+
+
+@pytest.mark.parametrize("ctype, transposed", [("f32", False), ("f16", False), ("f16", True), ("q8_0", False)])
+def test_a_run_of_cells_is_written_as_the_same_cells_by_index(ctype, transposed):
+    """Rows written to a run of cells of one stream (a slice: decode's usual case) land exactly where
+    the same cells written by index tensors land, in every storage layout."""
+    from engine.kv.storage import RowStorage
+    from engine.kv.types import cache_type
+
+    def storage():
+        return RowStorage(cache_type(ctype), n_stream=2, kv_size=64, width=64, n_head=4, transposed=transposed)
+
+    by_index, by_run = storage(), storage()
+    for n in (1, 5):  # one token (decode) and a short prompt
+        rows = torch.randn(n, 64)
+        cells = torch.arange(20, 20 + n)
+        by_index.write(torch.ones(n, dtype=torch.long), cells, rows)
+        by_run.write(1, slice(20, 20 + n), rows)
+        assert torch.equal(by_run.data, by_index.data)
+        assert by_run.data[1].any() and not by_run.data[0].any()  # the other stream is untouched
+        torch.testing.assert_close(by_run.read_cells(1, cells), by_index.read_cells(1, cells))
+
+
+def test_decode_writes_its_cells_as_a_run_and_scattered_cells_by_index(monkeypatch):
+    """A prompt in an empty cache and a decode step write slices; tokens whose cells are not
+    consecutive (the slot search restarts at cell 0 and fills holes) go by index tensors, and their
+    K rows land in exactly those cells."""
+    import engine
+    from engine.batch import Batch
+    from tests.model_factory import in_memory_model
+
+    records = _recorded_attention(monkeypatch)
+    ctx = engine.Context(in_memory_model(), n_ctx=512, type_k="f32", type_v="f32")
+    assert ctx.decode(Batch.for_sequence(list(range(1, 41)), 0, 0)) == 0
+    assert records[-1]._write_at == (0, slice(0, 40))
+    assert ctx.decode(Batch.for_sequence([3], 0, 40)) == 0
+    assert records[-1]._write_at == (0, slice(40, 41))
+    ctx.memory.seq_rm(0, 30, -1)
+    ctx.memory.seq_rm(0, 5, 7)  # holes at cells 5 and 6; few cells used, so the search starts at 0
+    k_rows = ctx.memory.k[0]
+    before = k_rows.read_cells(0, torch.arange(64))
+    assert ctx.decode(Batch.for_sequence([7, 8, 9], 0, 30)) == 0
+    streams, cells = records[-1]._write_at
+    assert cells.tolist() == [5, 6, 30] and streams.tolist() == [0, 0, 0]
+    after = k_rows.read_cells(0, torch.arange(64))
+    changed = (after != before).any(dim=1).nonzero().flatten().tolist()
+    assert changed == [5, 6, 30]
 
 
 # ---- what the kernel reads: the cells up to the last visible one, and no mask when all are visible --------

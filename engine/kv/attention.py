@@ -54,6 +54,12 @@ class UbatchAttention:
         self.token_streams = np.repeat(streams, n_per)  # the stream of each ubatch token
         self._token_stream = torch.from_numpy(self.token_streams.astype(np.int64))
         self._token_cell = torch.from_numpy(np.concatenate(sinfo.idxs).astype(np.int64))
+        # where store_and_load writes: one stream's run of consecutive cells as a slice (a decode step, a
+        # prompt in an empty cache), else per token
+        cells = sinfo.idxs[0]
+        run = self.n_groups == 1 and cells.size > 0 and bool(np.all(np.diff(cells) == 1))
+        self._write_at = ((streams[0], slice(int(cells[0]), int(cells[-1]) + 1)) if run else
+                          (self._token_stream, self._token_cell))
         mask = self._build_mask(sinfo, ubatch)  # [groups, 1, n_per, n_kv] bool, True = attend
         self.mask = torch.from_numpy(mask)
         seen = np.flatnonzero(mask.any(axis=(0, 1, 2)))
@@ -85,7 +91,7 @@ class UbatchAttention:
         i = cache.layer_index[il]
         out = []
         for rows, new, scratch in ((cache.k[i], k, cache.read_scratch[0]), (cache.v[i], v, cache.read_scratch[1])):
-            rows.write(self._token_stream, self._token_cell, new)
+            rows.write(*self._write_at, new)
             heads = rows.read_heads(self._stream_slice, self.n_visible, dtype, scratch)
             out.append(heads if heads.device == k.device else heads.to(k.device))
         if k.device not in self._mask_on:  # built on the host once; one copy per device whose layers attend

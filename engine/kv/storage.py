@@ -80,11 +80,13 @@ class RowStorage:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
-    def write(self, streams: torch.Tensor, cells: torch.Tensor, rows: torch.Tensor) -> None:
-        """Store rows [N, width] (any float dtype) at (streams[i], cells[i])."""
-        # .to() only where something changes: a no-op .to() still costs a dispatch, and decode writes
-        # two rows per layer and token
-        if streams.device != self.device:
+    def write(self, streams: torch.Tensor | int, cells: torch.Tensor | slice, rows: torch.Tensor) -> None:
+        """Store rows [N, width] (any float dtype) at (streams[i], cells[i]); or, with `streams` one stream
+        and `cells` a slice, at that run of cells: plain slicing then, no index kernels (a decode step
+        writes two rows per layer, usually to consecutive cells of one stream)."""
+        run = isinstance(cells, slice)
+        # .to() only where something changes: a no-op .to() still costs a dispatch
+        if not run and streams.device != self.device:
             streams, cells = streams.to(self.device), cells.to(self.device)
         if rows.device != self.device:
             rows = rows.to(self.device)
@@ -93,8 +95,10 @@ class RowStorage:
             return
         if rows.dtype != self.data.dtype:
             rows = rows.to(self.data.dtype)
-        if self.transposed:
-            self.data[streams, :, cells] = rows
+        if self.transposed:  # [width, N] per stream; index tensors put the token axis first
+            self.data[streams, :, cells] = rows.t() if run else rows
+        elif run:  # [n_head, N, head_dim] per stream
+            self.data[streams, :, cells] = rows.view(-1, self.n_head, self.head_dim).transpose(0, 1)
         else:
             self.data[streams, :, cells] = rows.view(-1, self.n_head, self.head_dim)
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from engine.formats.quantized_blocks import QuantizedBlocks, reorder_rows
 from engine.models.config import ROPE_TYPE_NORM, ModelConfig
+from engine.models.host_memory import into_huge_pages
 from engine.models.packed import PackedRows, PackedWeight
 from engine.placement.devices import CPU, Device
 from engine.placement.weight_devices import (
@@ -95,8 +96,9 @@ def row_blocks(weight: torch.Tensor, dtype: torch.dtype, n_split: int) -> torch.
     over n_split (= threads) row blocks keeps every core streaming its own block. On a 2-core EPYC
     this reads f32 weights at ~26 GB/s, against ~20 for two column blocks of the transposed matrix
     and ~11 for F.linear (MKL's x @ W.T with one row). Small matrices stay in one block: for them
-    the threads' start-up costs more than it saves, and much more on a busy machine."""
-    return as_row_blocks(weight.to(dtype).contiguous(), n_split)
+    the threads' start-up costs more than it saves, and much more on a busy machine. Large matrices
+    are copied into huge pages (engine/models/host_memory.py): they stream faster."""
+    return as_row_blocks(into_huge_pages(weight.to(dtype)), n_split)
 
 
 def as_row_blocks(w: torch.Tensor, n_split: int) -> torch.Tensor:
@@ -142,16 +144,19 @@ def project(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -
     T = x.shape[0]
     if n_split == 1 or not 0 < T <= SPLIT_MAX_TOKENS:  # one GEMM (prefill, small matrices, no rows)
         return F.linear(x, weight.view(-1, n_in), bias)
-    y = torch.bmm(weight, x.t().expand(n_split, n_in, T)).view(-1, T)  # [out, T]: each block's outputs
-    y = y.t() if T == 1 else y.t().contiguous()
+    y = torch.bmm(weight, x.t().expand(n_split, n_in, T))  # [n_split, out / n_split, T]: each block's outputs
+    y = y.view(1, -1) if T == 1 else y.view(-1, T).t().contiguous()
     return y if bias is None else y + bias
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama's RMSNorm: normalise in float32, cast, then multiply by the weight in the compute dtype."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        # the same operations in one call (decode calls this 25 times per token): x * rsqrt(mean(x^2) + eps) * w
-        return F.rms_norm(x, x.shape[-1:], weight, eps)
+        if x.shape[0] == 1 and x.is_cpu:
+            # One row (decode, 2 norms per layer): its sum of squares as one BLAS product x x^T. F.rms_norm
+            # has no fused CPU kernel; its reduction alone costs more than the product in decode.
+            return x * torch.mm(x, x.t()).mul_(1.0 / x.shape[-1]).add_(eps).rsqrt_() * weight
+        return F.rms_norm(x, x.shape[-1:], weight, eps)  # x * rsqrt(mean(x^2) + eps) * w
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -215,6 +220,18 @@ def grouped_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     return F.scaled_dot_product_attention(qg, keys, values, attn_mask=mg, scale=scale).view(G, H, Tg, D)
 
 
+def single_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                           scale: float | None) -> torch.Tensor:
+    """The attention of one token (a decode step of one sequence): q [1, H, D]; keys, values
+    [1, Hkv, n_kv, D]; mask [1, 1, 1, n_kv] or None. Query heads lie in memory grouped by the KV head
+    they read, so one view stacks them as grouped_query_attention does, without its reshapes (decode
+    pays per dispatch). Returns [1, H * D]."""
+    _, H, D = q.shape
+    Hkv = keys.shape[1]
+    o = F.scaled_dot_product_attention(q.reshape(1, Hkv, H // Hkv, D), keys, values, attn_mask=mask, scale=scale)
+    return o.view(1, H * D)
+
+
 def attention_weights(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, rows: list[int], scale: float,
                       cap: float) -> torch.Tensor:
     """The attention probabilities of the ubatch tokens `rows`, averaged over the query heads: [len(rows), n_kv]
@@ -270,7 +287,7 @@ class Transformer:
         embd = tensors["model.embed_tokens.weight"]
         # A quantized embedding stays as the file's blocks; a lookup decodes only the rows it reads.
         self.tok_embd = (PackedRows.from_gguf_blocks(embd.blocks, embd.type_name, *embd.shape)
-                         if isinstance(embd, QuantizedBlocks) else w("model.embed_tokens.weight"))
+                         if isinstance(embd, QuantizedBlocks) else into_huge_pages(embd.to(dtype)))
         self.norm = norm_w("model.norm.weight")
         # Tied embeddings stay [n_vocab, n_embd], the output layer's own layout, and are not copied; a
         # quantized tied embedding also has a packed copy for the output layer (the blocks have no
@@ -441,14 +458,17 @@ class Transformer:
             k = to(rope.apply(il, norm(to(k, devs.wqkv, devs.k_norm), layer.k_norm, eps)), devs.k_norm, devs.kv)
         keys, values, mask = attn.store_and_load(il, k.reshape(T, -1), to(v, devs.wqkv, devs.kv),
                                                  self.dtype)  # [G, Hkv, n_kv, D]
-        q = q.reshape(G, T // G, cfg.n_head, cfg.head_dim).transpose(1, 2)  # [G, H, T/G, D]
-        if cfg.attn_softcap:
-            o = softcapped_attention(q, keys, values, mask, cfg.attn_scale, cfg.attn_softcap)
+        if T == 1 and probe is None and not cfg.attn_softcap:
+            o = single_query_attention(q, keys, values, mask, self.attn_scale)
         else:
-            o = grouped_query_attention(q, keys, values, mask, self.attn_scale)
-        if probe is not None:  # from the same q, K and mask, after the real attention, which it leaves alone
-            probe.keep(il, attention_weights(q, keys, mask, probe.rows, cfg.attn_scale, cfg.attn_softcap))
-        o = o.transpose(1, 2).reshape(T, cfg.n_head * cfg.head_dim)
+            q = q.reshape(G, T // G, cfg.n_head, cfg.head_dim).transpose(1, 2)  # [G, H, T/G, D]
+            if cfg.attn_softcap:
+                o = softcapped_attention(q, keys, values, mask, cfg.attn_scale, cfg.attn_softcap)
+            else:
+                o = grouped_query_attention(q, keys, values, mask, self.attn_scale)
+            if probe is not None:  # from the same q, K and mask, after the real attention, which it leaves alone
+                probe.keep(il, attention_weights(q, keys, mask, probe.rows, cfg.attn_scale, cfg.attn_softcap))
+            o = o.transpose(1, 2).reshape(T, cfg.n_head * cfg.head_dim)
         o = project(to(o, devs.kv, devs.wo), layer.wo, layer.bo)
         if layer.post_attn_norm is None:
             return to(o, devs.wo, devs.residual)
