@@ -310,3 +310,31 @@ def test_killing_the_server_fails_commands_and_the_client_reconnects(servers):
         assert watcher.resyncs == 1 and watcher.status.state == "paused"
     assert server.stop() == 0
     assert "stopped (SIGTERM)" in server.err.read_text()
+
+
+def test_closing_after_the_io_thread_already_stopped_does_not_raise():
+    """close() sets the stop flag, then wakes the I/O thread; a poll that times out in between ends the
+    thread and closes its end of the wake pipe, so the wake finds no reader (zmq.Again). That is the
+    thread being gone already, not an error: close() finishes and pending commands still fail."""
+    import zmq
+
+    from engine.watch.remote import RemoteSession, RemoteSessionError
+
+    remote = RemoteSession("tcp://127.0.0.1:9", timeout=10)  # nothing listens there
+    pending = remote.pause()
+    link = remote._link
+    link._stopping = True  # what close() does first; the thread sees it at its next poll timeout
+    link._thread.join(timeout=10)
+    assert not link._thread.is_alive()
+    for _ in range(100):  # a wake or two may still be queued before zmq learns that the reader has gone
+        try:
+            link.run(lambda: None)
+        except zmq.Again:
+            break
+        time.sleep(0.02)
+    else:
+        pytest.fail("the wake pipe never reported its reader gone")
+    remote.close()
+    assert link.closed
+    with pytest.raises(RemoteSessionError):
+        pending.result(5)

@@ -442,7 +442,10 @@ class _Link:
         if self.closed:
             return
         self._stopping = True
-        self.run(lambda: None)
+        try:
+            self.run(lambda: None)  # wakes the I/O thread from its poll
+        except zmq.Again:  # it saw _stopping at a poll's timeout and closed its end of the wake pipe
+            pass
         self._thread.join(timeout=10)
         with self._wake_lock:
             self.closed = True
