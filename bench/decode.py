@@ -46,7 +46,7 @@ import torch
 
 import engine
 from engine.batch import Batch
-from engine.models.transformer import project
+from engine.models.transformer import as_row_blocks, project
 from engine.runners.generate import Generator
 from engine.sampling import SamplerParams
 
@@ -209,22 +209,25 @@ def event_overhead_lockstep(model, prompt: list[int], n_new: int) -> tuple[list[
     return ratios, len(recorded)
 
 
-def weight_streaming_floor(model, reps: int = 10) -> float | None:
-    """Tokens/s if a decode step did nothing but read every weight matrix once (one vector-matrix
-    product each, in the engine's layout): about the memory-bandwidth ceiling of any engine holding
-    these weights on this machine. None for packed weights (their kernels are the floor)."""
+def weight_streaming_floor(model, reps: int = 10) -> float:
+    """Tokens/s if a decode step did nothing but multiply one row by every weight matrix once, in the
+    engine's layout and with its kernels (row blocks for float weights; torch's int8/int4 kernels,
+    bf16 conversions included, for packed ones): the ceiling of any decode built on these products
+    on this machine."""
     tf = model.transformer
-    mats = [tf.lm_head] + [w for layer in tf.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
-    if any(not isinstance(m, torch.Tensor) for m in mats):
-        return None
-    xs = {m.shape[-1]: torch.randn(1, m.shape[-1], dtype=m.dtype, device=m.device) for m in mats}
+    output = tf.lm_head if tf.lm_head is not None else tf.output_embd
+    if isinstance(output, torch.Tensor) and output.dim() == 2:  # a tied float embedding: [n_vocab, n_embd]
+        output = as_row_blocks(output, tf.n_split)
+    mats = [output] + [w for layer in tf.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+    device = tf.norm.device
+    xs = {m.shape[-1]: torch.randn(1, m.shape[-1], dtype=tf.dtype, device=device) for m in mats}
     times = []
-    with torch.no_grad():
+    with torch.inference_mode():
         for _ in range(reps):
             t0 = time.perf_counter()
             for m in mats:
                 project(xs[m.shape[-1]], m)
-            if mats[0].is_cuda:
+            if device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
     return 1.0 / statistics.median(times)
@@ -290,17 +293,15 @@ def speed_main(args) -> None:
     print(f"\n{'':16s} {'prompt tok/s':>13s} {'decode tok/s':>13s}")
     for k, (p, d) in med.items():
         print(f"{k:16s} {p:13.1f} {d:13.1f}")
-    floor = None if None in floors else statistics.median(floors)
-    if floor is not None:
-        print(f"{'weights floor':16s} {'':13s} {floor:13.1f}   (one matvec per weight matrix, nothing else)")
+    floor = statistics.median(floors)
+    print(f"{'weights floor':16s} {'':13s} {floor:13.1f}   (one matvec per weight matrix, nothing else)")
     print()
     for other in ("llama.cpp", "transformers"):
         if other in rows:
             print(f"decode speed ratio kvscope / {other}: {paired('kvscope', other, 1):.2f}x")
             print(f"prompt speed ratio kvscope / {other}: {paired('kvscope', other, 0):.2f}x")
-    if floor is not None:
-        print("decode speed as a share of the weights floor: "
-              + ", ".join(f"{k} {med[k][1] / floor:.0%}" for k in rows if k != "kvscope+events"))
+    print("decode speed as a share of the weights floor: "
+          + ", ".join(f"{k} {med[k][1] / floor:.0%}" for k in rows if k != "kvscope+events"))
     overhead = 1 - paired("kvscope+events", "kvscope", 1)
     print(f"event overhead (recording subscriber vs none), whole generations: {overhead * 100:+.2f}% "
           f"({n_events} events per generation)")

@@ -87,18 +87,23 @@ def test_training_reaches_every_weight_through_the_row_blocks(tmp_path):
 
 @pytest.mark.parametrize("scale", [1.0, 1e-3, 1e3])
 def test_one_row_rms_norm_equals_the_rows_norm(scale):
-    """Decode's one-row RMSNorm (its sum of squares as one product x x^T) gives what the norm of many
-    rows gives for the same row, over small and large activations, and eps counts as it should."""
+    """Decode's one-row RMSNorm (inference mode: mean(x^2) + eps as one addmm) gives what the norm of
+    many rows gives for the same row, over small and large activations, and eps counts as it should;
+    outside inference mode (training) a row takes the general path, with the same result."""
     from engine.models.transformer import rms_norm
 
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(5, 768, generator=gen) * scale
     w = torch.randn(768, generator=gen)
     many = rms_norm(x, w, 1e-5)
-    for i in range(5):
-        one = rms_norm(x[i:i + 1], w, 1e-5)
-        torch.testing.assert_close(one, many[i:i + 1], rtol=2e-6, atol=0)
     ref = x[:1] * torch.rsqrt(x[:1].double().pow(2).mean() + 1e-5).float() * w
-    torch.testing.assert_close(rms_norm(x[:1], w, 1e-5), ref, rtol=2e-6, atol=0)
     tiny = torch.full((1, 768), 1e-4)  # mean(x^2) = 1e-8, far under eps: eps dominates
-    torch.testing.assert_close(rms_norm(tiny, torch.ones(768), 1e-5), tiny / (1e-8 + 1e-5) ** 0.5, rtol=1e-6, atol=0)
+    for inference in (True, False):
+        with torch.inference_mode(inference):
+            for i in range(5):
+                torch.testing.assert_close(rms_norm(x[i:i + 1], w, 1e-5), many[i:i + 1], rtol=2e-6, atol=0)
+            torch.testing.assert_close(rms_norm(x[:1], w, 1e-5), ref, rtol=2e-6, atol=0)
+            torch.testing.assert_close(rms_norm(tiny, torch.ones(768), 1e-5), tiny / (1e-8 + 1e-5) ** 0.5,
+                                       rtol=1e-6, atol=0)
+            torch.testing.assert_close(rms_norm(tiny, torch.ones(768), 1e-3), tiny / (1e-8 + 1e-3) ** 0.5,
+                                       rtol=1e-6, atol=0)  # another eps: its own table

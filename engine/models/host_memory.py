@@ -6,8 +6,10 @@ from the mmap'd GGUF, which recent kernels keep in large page-cache folios; kvsc
 copies (fused, reordered, converted), so it asks for huge pages itself: an anonymous mapping advised
 MADV_HUGEPAGE before it is touched (transparent_hugepage=madvise, the common default, gives huge
 pages only to such mappings), then MADV_COLLAPSE for the pieces the page faults left small. Measured
-on the 2-core development machine (bench/decode.py's 49 matrices, 351 MB, one row-block product
-each): 8-9% faster than the same products on malloc'd memory, in three interleaved runs.
+on the 2-core development machine: bench/decode.py's 49 matrices (351 MB, one row-block product each)
+7-9% faster than on malloc'd memory (three interleaved runs); a decode step of that model 3-8% faster
+(two copies of the model in one process, alternating, three runs; a null run of two plain copies:
+1-2%).
 
 Where the system says no (another OS, THP disabled, no huge page free) the memory is ordinary pages:
 the weights are the same, only the speed differs. Tensors below HUGE_PAGE_MIN_BYTES get plain
