@@ -1,6 +1,5 @@
-"""Large weights live in memory advised for huge pages (engine/models/host_memory.py): the same values,
-in a mapping the kernel may back with 2 MiB pages; small tensors and tensors in an autograd graph are
-left as they are."""
+"""Large weights are advised into huge pages in place (engine/models/host_memory.py): the same tensor
+and values, its memory marked for huge pages; small tensors and other devices are left alone."""
 import sys
 from pathlib import Path
 
@@ -8,16 +7,15 @@ import pytest
 import torch
 
 from engine.models import host_memory
-from engine.models.host_memory import HUGE_PAGE_MIN_BYTES, huge_page_empty, into_huge_pages
+from engine.models.host_memory import HUGE_PAGE_MIN_BYTES, advise_huge_pages, huge_page_range
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 thp_usable = pytest.mark.skipif(sys.platform != "linux" or not THP.exists() or "[never]" in THP.read_text(),
                                 reason="transparent huge pages are off or not Linux")
 
 
-def mapping_of(t: torch.Tensor) -> dict[str, str]:
-    """The /proc/self/smaps fields of the mapping that holds t's first byte."""
-    addr = t.data_ptr()
+def mapping_of(addr: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds address addr."""
     fields: dict[str, str] = {}
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
@@ -33,60 +31,55 @@ def mapping_of(t: torch.Tensor) -> dict[str, str]:
     return fields
 
 
-def test_a_large_tensor_is_copied_with_its_values_and_shape():
-    t = torch.randn(1200, 1024)  # 4.9 MB
-    h = into_huge_pages(t)
-    assert h.data_ptr() != t.data_ptr() and h.is_contiguous()
-    assert h.shape == t.shape and h.dtype == t.dtype and torch.equal(h, t)
-    h2 = into_huge_pages(t.t())  # a strided source arrives contiguous, values in their places
-    assert h2.is_contiguous() and torch.equal(h2, t.t())
+@pytest.mark.skipif(sys.platform != "linux", reason="huge pages are asked for on Linux only")
+def test_the_range_covers_whole_huge_pages_inside_the_tensor_only():
+    t = torch.empty(3 * 1024 * 1024, dtype=torch.float32)  # 12 MiB
+    start, length = huge_page_range(t)
+    begin, end = t.data_ptr(), t.data_ptr() + t.numel() * 4
+    assert start % (2 << 20) == 0 and length % (2 << 20) == 0 and length > 0
+    assert begin <= start and start + length <= end and start - begin < (2 << 20) and end - (start + length) < (2 << 20)
+    assert huge_page_range(torch.empty(HUGE_PAGE_MIN_BYTES // 4 - 1)) is None  # under the threshold
+    assert huge_page_range(torch.empty(0)) is None
 
 
-def test_small_and_trained_tensors_stay_as_they_are():
-    small = torch.randn(64, 64)
-    assert into_huge_pages(small).data_ptr() == small.data_ptr()
-    trained = torch.randn(1200, 1024, requires_grad=True)
-    assert into_huge_pages(trained) is trained
-    assert huge_page_empty((8, 8), torch.float32).untyped_storage().nbytes() == 256
-
-
-def test_the_memory_outlives_every_name_but_the_tensor():
-    """The mapping is kept alive by the tensor (and by views of it), not by any other reference."""
-    import gc
-
-    h = into_huge_pages(torch.arange(HUGE_PAGE_MIN_BYTES // 4 + 10, dtype=torch.float32))
-    view = h[5:].view(-1)
-    del h
-    gc.collect()
-    assert view[0].item() == 5.0 and view[-1].item() == HUGE_PAGE_MIN_BYTES // 4 + 9
-    view.add_(1)  # writable
-    assert view[0].item() == 6.0
+def test_advice_changes_neither_the_tensor_nor_its_values():
+    t = torch.randn(1200, 1024)  # 4.7 MiB
+    before = t.clone()
+    assert advise_huge_pages(t) is t
+    assert torch.equal(t, before)
+    view = t[100:]  # a view advises its whole storage; still the same values
+    assert advise_huge_pages(view) is view and torch.equal(t, before)
 
 
 @thp_usable
-def test_the_copy_is_in_a_mapping_advised_for_huge_pages():
-    """smaps marks a mapping THPeligible when huge pages may back it: the copy's is."""
-    h = into_huge_pages(torch.randn(1200, 1024))
-    fields = mapping_of(h)
-    assert fields.get("THPeligible") == "1", fields
+def test_the_memory_is_marked_for_huge_pages():
+    """smaps marks a mapping THPeligible when huge pages may back it; after the advice the range of a
+    torch allocation (never advised by torch itself) is."""
+    t = torch.empty(4 * 1024 * 1024, dtype=torch.float32).fill_(1.0)  # 16 MiB
+    start, _ = huge_page_range(t)
+    if "[madvise]" in THP.read_text():
+        assert mapping_of(start).get("THPeligible") == "0"
+    advise_huge_pages(t)
+    assert mapping_of(start).get("THPeligible") == "1"
+    assert t.sum().item() == t.numel()
 
 
 @thp_usable
-def test_a_models_large_matrices_are_in_huge_page_memory(monkeypatch):
-    """Weights over the threshold go to advised mappings (the threshold moved to compare); the model's logits are the ones the same weights in ordinary memory give."""
+def test_a_models_large_matrices_are_marked_and_give_the_same_logits(monkeypatch):
+    """The fused gate/up matrix torch makes at load is advised (and the embedding, the tied output
+    layer); the logits are those of the same weights left as they were."""
     import engine
     from engine.batch import Batch
     from tests.model_factory import in_memory_model
 
-    size = dict(n_embd=256, head_dim=64, n_ff=2048, n_vocab=4096)  # gate/up: 2 * 2048 * 256 * 4 bytes
-    monkeypatch.setattr(host_memory, "HUGE_PAGE_MIN_BYTES", 1 << 60)  # nothing copied
+    size = dict(n_embd=256, head_dim=64, n_ff=2048, n_vocab=8192)  # gate/up: 4 MiB, embedding: 8 MiB
+    monkeypatch.setattr(host_memory, "HUGE_PAGE_MIN_BYTES", 1 << 60)  # nothing advised
     plain = in_memory_model(**size)
-    monkeypatch.setattr(host_memory, "HUGE_PAGE_MIN_BYTES", 1 << 20)
+    monkeypatch.setattr(host_memory, "HUGE_PAGE_MIN_BYTES", 4 << 20)
     huge = in_memory_model(**size)
-    assert mapping_of(huge.transformer.layers[0].w_gate_up).get("THPeligible") == "1"
-    assert mapping_of(huge.transformer.tok_embd).get("THPeligible") == "1"  # 4 MiB, also the output layer
-    if "[madvise]" in THP.read_text():
-        assert mapping_of(plain.transformer.layers[0].w_gate_up).get("THPeligible") == "0"
+    for t in (huge.transformer.layers[0].w_gate_up, huge.transformer.tok_embd):
+        start, _ = huge_page_range(t)
+        assert mapping_of(start).get("THPeligible") == "1"
     logits = []
     for model in (plain, huge):
         ctx = engine.Context(model, n_ctx=256, type_k="f32", type_v="f32")

@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from engine.errors import KvscopeError
-from engine.models.host_memory import into_huge_pages
+from engine.models.host_memory import advise_huge_pages
 
 # type name -> (values per block, bytes per block): ggml-common.h block_q8_0, block_q4_0, block_q4_K, block_q6_K
 BLOCK_LAYOUTS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q6_K": (256, 210)}
@@ -356,7 +356,7 @@ class _Int4Part:
         """From uint8 values [n_pad, K] (any device) to the kernel form on `device`."""
         k = q.shape[1]
         if device.type == "cpu":
-            return _Int4Part(into_huge_pages(_pack_int4_cpu(q.cpu().numpy())), scales_zeros.to(device).contiguous(), n, k)
+            return _Int4Part(advise_huge_pages(_pack_int4_cpu(q.cpu().numpy())), scales_zeros.to(device).contiguous(), n, k)
         if device.type == "cuda":
             # UNTESTED (no GPU where this was written): per aten/src/ATen/native/cuda/int4mm.cu, the CUDA
             # packer takes uint8 [N, K/2] with the even k in the HIGH nibble and needs bf16 activations.
@@ -540,7 +540,7 @@ class PackedWeight:
                 built.append(_Int4Part.build(*stacked, _device(device)))
             else:
                 q, scale = stacked
-                q = into_huge_pages(torch.from_numpy(q))  # streamed once per token: see host_memory
+                q = advise_huge_pages(torch.from_numpy(q))  # streamed once per token: see host_memory
                 built.append(_Int8Part(q, torch.from_numpy(scale).to(torch.bfloat16)).to(_device(device)))
             positions.append(pos)
         cat_positions = np.concatenate(positions)

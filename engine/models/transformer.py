@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from engine.formats.quantized_blocks import QuantizedBlocks, reorder_rows
 from engine.models.config import ROPE_TYPE_NORM, ModelConfig
-from engine.models.host_memory import into_huge_pages
+from engine.models.host_memory import advise_huge_pages
 from engine.models.packed import PackedRows, PackedWeight
 from engine.placement.devices import CPU, Device
 from engine.placement.weight_devices import (
@@ -97,8 +97,8 @@ def row_blocks(weight: torch.Tensor, dtype: torch.dtype, n_split: int) -> torch.
     this reads f32 weights at ~26 GB/s, against ~20 for two column blocks of the transposed matrix
     and ~11 for F.linear (MKL's x @ W.T with one row). Small matrices stay in one block: for them
     the threads' start-up costs more than it saves, and much more on a busy machine. Large matrices
-    are copied into huge pages (engine/models/host_memory.py): they stream faster."""
-    return as_row_blocks(into_huge_pages(weight.to(dtype)), n_split)
+    are moved into huge pages in place (engine/models/host_memory.py): they stream faster."""
+    return as_row_blocks(advise_huge_pages(weight.to(dtype).contiguous()), n_split)
 
 
 def as_row_blocks(w: torch.Tensor, n_split: int) -> torch.Tensor:
@@ -298,7 +298,7 @@ class Transformer:
         embd = tensors["model.embed_tokens.weight"]
         # A quantized embedding stays as the file's blocks; a lookup decodes only the rows it reads.
         self.tok_embd = (PackedRows.from_gguf_blocks(embd.blocks, embd.type_name, *embd.shape)
-                         if isinstance(embd, QuantizedBlocks) else into_huge_pages(embd.to(dtype)))
+                         if isinstance(embd, QuantizedBlocks) else advise_huge_pages(w("model.embed_tokens.weight")))
         self.norm = norm_w("model.norm.weight")
         # Tied embeddings stay [n_vocab, n_embd], the output layer's own layout, and are not copied; a
         # quantized tied embedding also has a packed copy for the output layer (the blocks have no
