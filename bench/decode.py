@@ -5,7 +5,11 @@ Hugging Face folder (for transformers) and as a GGUF of it (for kvscope and llam
 for both). Greedy, batch 1: a 128-token prompt, then 128 new tokens, the K/V cache in the first of
 --cache-types (default f32) in every engine. Runs are interleaved and medians reported, because other
 jobs share the machine and absolute times swing. The event overhead is measured per token with two
-kvscope contexts decoding in lockstep, one with a recording subscriber and one without.
+kvscope contexts decoding in lockstep, one with a recording subscriber and one without. Two more
+lines say where decode time goes: the weights floor (one row times every weight matrix with kvscope's
+kernels, nothing else: what decode could reach with no other cost) and the fixed cost per token (a
+model of the same depth with 8 values per head, so that its weights cost almost nothing: dispatch and
+bookkeeping), in kvscope and llama.cpp.
 
     python bench/decode.py [--reps 3] [--prompt 128] [--new 128] [--weights F32|Q8_0|Q4_0|Q4_K|Q6_K]
 
@@ -233,6 +237,24 @@ def weight_streaming_floor(model, reps: int = 10) -> float:
     return 1.0 / statistics.median(times)
 
 
+def fixed_cost_ms(folder: Path, cache_type: str, with_llama_cpp: bool, n_decodes: int = 64) -> dict[str, float]:
+    """Median ms per decoded token, after 128 cells, of a llama with bench's layer and head counts but 8 values
+    per head: what an engine spends per token beside reading its weights (dispatch, bookkeeping)."""
+    from engine.testing import write_gguf_from_hf, write_hf_model
+
+    n_head = CONFIG["num_attention_heads"]
+    hf = write_hf_model(folder / "narrow-llama", "llama", n_layer=CONFIG["num_hidden_layers"], n_embd=8 * n_head,
+                        n_head=n_head, n_head_kv=CONFIG["num_key_value_heads"], n_ff=16 * n_head, vocab_size=300,
+                        seed=0, n_ctx_train=CONFIG["max_position_embeddings"])
+    gguf = write_gguf_from_hf(hf, folder / "narrow-llama.gguf", tensor_type="F32")
+    tokens = torch.randint(3, 300, (128 + n_decodes + 2,), generator=torch.Generator().manual_seed(1)).tolist()
+    model = engine.load_model(gguf)
+    out = {"kvscope": statistics.median(kvscope_decode_ms_after(model, tokens, 128, cache_type, n_decodes, "model"))}
+    if with_llama_cpp:
+        out["llama.cpp"] = statistics.median(LlamaCpp(gguf, 512, cache_type).decode_ms_after(tokens, 128, n_decodes))
+    return out
+
+
 def logits_agreement(ours: np.ndarray, theirs: np.ndarray) -> str:
     """How far two logit rows are apart, in words with numbers."""
     diff = np.abs(ours - theirs)
@@ -311,6 +333,11 @@ def speed_main(args) -> None:
           f".. {q3 * 100:+.1f}%, {len(ratios)} tokens, {n_lockstep} events)")
     if "llama.cpp" in logits:
         print(f"last prompt token's logits, kvscope vs llama.cpp: {logits_agreement(logits['kvscope'], logits['llama.cpp'])}")
+    with tempfile.TemporaryDirectory() as tmp:
+        fixed = fixed_cost_ms(Path(tmp), args.cache_type, llama is not None)
+    print(f"fixed cost per token ({CONFIG['num_hidden_layers']} layers {8 * CONFIG['num_attention_heads']} wide, "
+          "128 cells: dispatch and bookkeeping, almost no weights): "
+          + ", ".join(f"{k} {v:.2f} ms" for k, v in fixed.items()))
 
 
 def synthetic_forward(transformer, n_vocab: int):

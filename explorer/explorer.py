@@ -61,14 +61,27 @@ def open_source(source=None, flags: str | list[str] = (), *, start: bool = True)
     return remote_source(source)
 
 
+# A live grid redraws every 0.2 s, or every 0.4 s beyond LARGE_GRID_CELLS cells: a 16k-cell grid every 0.2 s
+# saturated headless Chromium 150 on the 2-core machine (a cell run meanwhile ran in the kernel within 1 s,
+# but its output reached the page 4-11 s later, behind the queued grid updates); every 0.4 s, 0.5 s.
+LARGE_GRID_CELLS = 8192
+
+
+def default_every_s(n_cells: int) -> float:
+    """How often a live explorer redraws a grid of n_cells cells (all caches and streams), by default."""
+    return 0.4 if n_cells > LARGE_GRID_CELLS else 0.2
+
+
 class Explorer(Shown):
     """The cell grids, SWA window, memory bars, event log and timeline of a source, and its controls."""
 
     def __init__(self, source=None, flags: str | list[str] = (), *, columns: int = 64, dark: bool = False,
-                 every_s: float = 0.2, start: bool = True, history: bool = True, attention: bool = False) -> None:
+                 every_s: float | None = None, start: bool = True, history: bool = True,
+                 attention: bool = False) -> None:
         """source, flags: see the module docstring; columns: cells per grid row; dark: colours for a dark
-        page; every_s: at most this often a live session redraws; start: run the demo or the model at
-        once; history: record a live session so the timeline can scrub back (a temporary .kvtrace)."""
+        page; every_s: at most this often a live session redraws (None: default_every_s of its cells);
+        start: run the demo or the model at once; history: record a live session so the timeline can
+        scrub back (a temporary .kvtrace)."""
         self.source = open_source(source, flags, start=start)
         self.session = self.source.session
         self.local = self.session is not None and hasattr(self.session, "bus")
@@ -77,6 +90,10 @@ class Explorer(Shown):
         self.update_seconds: collections.deque[float] = collections.deque(maxlen=100)
         self._events_seen = 0
         watcher = self.source.watcher
+        if every_s is None:
+            watcher.poll()  # the caches' sizes arrive with the source's first events
+            every_s = default_every_s(sum(c.size * len(c.streams) for c in watcher.mirror.caches.values()))
+        self.every_s = every_s
         self.grid = CellGrid(watcher, columns=columns, dark=dark, attention=attention)
         self.window = SwaWindow(watcher, dark=dark)
         self.bars = MemoryBars(watcher)

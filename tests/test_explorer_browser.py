@@ -30,7 +30,7 @@ PROBE_CELL = ("n_probe = globals().get('n_probe', 0) + 1\nprint(f'probe {n_probe
               "        print(name, 'update ms', round(1e3 * statistics.median(globals()[name].update_seconds), 1))")
 BIG_CELL = ("x.close()\n"
             "big = Explorer(None, '-c 16384 -np 4 -kvu --workload parallel --sequences 100000 -n 4000 --speed 0 --start',"
-            " columns=128, history=False, every_s=0.2)\nbig")
+            " columns=128, history=False)\nbig")
 # a grid update that reached the page: the picture of the first lane's cells changed (plotly draws a
 # heatmap as an image; a relayout of titles alone leaves it as it was)
 COUNT_REDRAWS = """(k) => { const gd = document.querySelectorAll('.jp-Cell')[k].querySelector('.js-plotly-plot');

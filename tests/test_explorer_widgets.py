@@ -333,3 +333,20 @@ def test_the_server_view_shows_each_turn_and_slot():
             assert explorer.server.figure in explorer.figures()
         finally:
             explorer.close()
+
+
+def test_a_large_grid_redraws_less_often_by_default():
+    """The demo's 512 cells redraw every 0.2 s; a 16k-cell cache every 0.4 s (at 0.2 s such a grid
+    saturated the browser: cells run meanwhile waited seconds for their output); a cadence given is kept."""
+    from explorer.explorer import LARGE_GRID_CELLS, default_every_s
+
+    assert default_every_s(LARGE_GRID_CELLS) == 0.2 and default_every_s(LARGE_GRID_CELLS + 1) == 0.4
+    small = Explorer(demo(), columns=32, history=False)
+    big = Explorer(demo(n_ctx=16384), columns=128, history=False)
+    given = Explorer(demo(n_ctx=16384), columns=128, history=False, every_s=0.25)
+    try:
+        assert small.every_s == 0.2 and big.every_s == 0.4 and given.every_s == 0.25
+        assert big.grid._lanes[0][2] == 16384  # the cells counted are the ones the grid draws
+    finally:
+        for x in (small, big, given):
+            x.close()

@@ -356,7 +356,8 @@ class _Int4Part:
         """From uint8 values [n_pad, K] (any device) to the kernel form on `device`."""
         k = q.shape[1]
         if device.type == "cpu":
-            return _Int4Part(advise_huge_pages(_pack_int4_cpu(q.cpu().numpy())), scales_zeros.to(device).contiguous(), n, k)
+            packed = advise_huge_pages(_pack_int4_cpu(q.cpu().numpy()))  # streamed once per token: see host_memory
+            return _Int4Part(packed, scales_zeros.to(device).contiguous(), n, k)
         if device.type == "cuda":
             # UNTESTED (no GPU where this was written): per aten/src/ATen/native/cuda/int4mm.cu, the CUDA
             # packer takes uint8 [N, K/2] with the even k in the HIGH nibble and needs bf16 activations.
