@@ -19,6 +19,7 @@ from engine.watch.recording import RecordingReader
 from engine.watch.replay import Replay
 from engine.watch.sources import Source
 from tui.app import KvscopeApp
+from tui.event_log import EventLog
 from tui.grid import CellGrid
 from tui.inspector import CellInspector
 
@@ -57,9 +58,20 @@ def replay_app(path) -> KvscopeApp:
 
 
 async def at_the_end(pilot) -> None:
+    """The replay at its last event, drawn, and the event log scrolled to its last line: frames until it
+    settles (on a slow machine the log's first layout can come after the frame that scrolls it)."""
     await pilot.press("end")
     await pilot.pause()
-    pilot.app.refresh_view()
+    log = pilot.app.query_one(EventLog)
+    for _ in range(20):
+        pilot.app.refresh_view()
+        await pilot.pause()
+        if log.max_scroll_y > 0 and log.scroll_offset.y >= log.max_scroll_y:
+            break
+    assert log.scroll_offset.y >= log.max_scroll_y, "the event log never showed its last line"
+    if log.show_vertical_scrollbar:  # its thumb follows the scroll a frame later
+        log.vertical_scrollbar.position = log.scroll_offset.y
+        log.vertical_scrollbar.refresh()
     await pilot.pause()
 
 

@@ -30,6 +30,7 @@ class EventLog(ScrollView, can_focus=False):  # the grid keeps the keys; the log
         self.filter = EventFilter()
         # (seq_no, text, seq whose colour it takes or -1, index of the QUIRK mark or -1); seq_no -1: a note
         self._rows: collections.deque[tuple[int, str, int, int]] = collections.deque(maxlen=KEPT_LINES)
+        self._following = True  # showing the last line when lines last came: a resize keeps it there
         self._title()
 
     def _title(self) -> None:
@@ -76,6 +77,7 @@ class EventLog(ScrollView, can_focus=False):  # the grid keeps the keys; the log
             kept = kept[-SHOWN_PER_FRAME:]
         self._rows.extend(_row(event) for event in kept)
         self._sized()
+        self._following = following
         if following:
             # now, not after a refresh (whether that comes before a screenshot is a race); forced: the first
             # time the log outgrows its box its scrollbar is not there yet, which would make the scroll a no-op
@@ -84,6 +86,8 @@ class EventLog(ScrollView, can_focus=False):  # the grid keeps the keys; the log
 
     def on_resize(self) -> None:
         self._sized()
+        if self._following:  # a box that grew or shrank (the first layout among them) still ends at the last line
+            self.scroll_to(y=self.max_scroll_y, animate=False, immediate=True, force=True)
 
     def _sized(self) -> None:
         size = Size(self.scrollable_content_region.width, len(self._rows))
