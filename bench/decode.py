@@ -50,7 +50,7 @@ import torch
 
 import engine
 from engine.batch import Batch
-from engine.models.transformer import as_row_blocks, project
+from engine.models.transformer import project
 from engine.runners.generate import Generator
 from engine.sampling import SamplerParams
 
@@ -219,10 +219,7 @@ def weight_streaming_floor(model, reps: int = 10) -> float:
     bf16 conversions included, for packed ones): the ceiling of any decode built on these products
     on this machine."""
     tf = model.transformer
-    output = tf.lm_head if tf.lm_head is not None else tf.output_embd
-    if isinstance(output, torch.Tensor) and output.dim() == 2:  # a tied float embedding: [n_vocab, n_embd]
-        output = as_row_blocks(output, tf.n_split)
-    mats = [output] + [w for layer in tf.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+    mats = [tf.output_weight()] + [w for layer in tf.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
     device = tf.norm.device
     xs = {m.shape[-1]: torch.randn(1, m.shape[-1], dtype=tf.dtype, device=device) for m in mats}
     times = []

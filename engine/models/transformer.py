@@ -440,6 +440,15 @@ class Transformer:
             tensors += [t for t in vars(layer).values() if t is not None]
         return sum(weight_numel(t) for t in tensors)
 
+    def output_weight(self) -> Weight:
+        """The output layer's matrix as project() takes it: lm_head, the packed copy of a quantized tied
+        embedding, or a float tied embedding viewed as row blocks (a view: it follows place())."""
+        if self.lm_head is not None:
+            return self.lm_head
+        if isinstance(self.output_embd, PackedWeight):
+            return self.output_embd
+        return as_row_blocks(self.output_embd, self.n_split)
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The input embeddings of token ids [T] -> [T, C] in the compute dtype, on the embedding's device."""
         if isinstance(self.tok_embd, PackedRows):
@@ -527,12 +536,7 @@ class Transformer:
         x = x[output_rows.to(x.device)]  # only the output rows cross to the output layer
         x = self._norm(to(x, at, wd.output_norm), self.norm, cfg.rms_norm_eps)
         x = to(x, wd.output_norm, wd.output)
-        if self.lm_head is not None:
-            logits = project(x, self.lm_head)
-        elif isinstance(self.output_embd, PackedWeight):
-            logits = project(x, self.output_embd)
-        else:
-            logits = project(x, as_row_blocks(self.output_embd, self.n_split))
+        logits = project(x, self.output_weight())
         # logits are read on the host: from an offloaded output layer that is one more crossing, and
         # with a large vocabulary the largest one per token
         logits = self._to(logits.float(), wd.output, CPU)
