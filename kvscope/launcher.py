@@ -7,6 +7,7 @@ steps and exits, so `kvscope` never waits for a key that cannot come."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from engine import cli
@@ -36,8 +37,12 @@ def run_tui(args: argparse.Namespace, *, demo: bool) -> int:
         if not interactive:
             from tui.plain import plain_frames
 
-            steps = plain_frames(source.session, args.plain_steps, sys.stdout)
-            print(f"kvscope: {steps} steps shown as text (no terminal); run kvscope in a terminal for the explorer")
+            try:
+                steps = plain_frames(source.session, args.plain_steps, sys.stdout)
+                print(f"kvscope: {steps} steps shown as text (no terminal); run kvscope in a terminal for the explorer")
+            except BrokenPipeError:  # `kvscope | head`: the reader has what it wanted
+                # what is still buffered goes nowhere, not into a second error when Python flushes at exit
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
         try:
             from tui.app import KvscopeApp

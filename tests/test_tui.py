@@ -434,3 +434,17 @@ async def test_panels_lay_the_screen_out_only_when_their_height_changes(session,
         assert refreshes[2:] == [True, False, True]
         inspector.show(Text("x" * 500))  # one line, wrapped to several rows
         assert refreshes[-1] is True
+
+
+def test_a_reader_that_stops_early_ends_the_text_frames_quietly():
+    """`kvscope | head`: once the reader closes the pipe, kvscope stops writing and exits 0, without a
+    BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvscope.launcher", "tui", "--plain-steps", "200", "-m", "demo",
+                             "--workload", "generate", "-p", "And God said", "-c", "256", "--pad", "64"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # what head does after its lines
+    _, err = proc.communicate(timeout=120)
+    assert first.startswith(b"=== step 1")
+    assert proc.returncode == 0, err.decode()
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
