@@ -88,7 +88,10 @@ class LlamaCpp:
         threads = torch.get_num_threads()
         self.llm = self.lib.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=N_UBATCH, n_ubatch=N_UBATCH,
                                   n_threads=threads, n_threads_batch=threads, type_k=GGML_CACHE_TYPES[cache_type],
-                                  type_v=GGML_CACHE_TYPES[cache_type], verbose=False)
+                                  type_v=GGML_CACHE_TYPES[cache_type], verbose=False,
+                                  # a quantized V cache needs flash attention in llama.cpp (its -fa auto turns it on
+                                  # on the CPU; llama-cpp-python's default is off, and the context then fails)
+                                  flash_attn=cache_type.startswith("q"))
         self.ctx = self.llm._ctx.ctx
         self.n_vocab = self.llm.n_vocab()
         self.prefilled = 0  # cells of the last decode_ms_after prefill still in the cache

@@ -196,22 +196,46 @@ def test_f16_rows_are_converted_into_reused_memory():
     assert same_type.data_ptr() == rows.data.data_ptr()
 
 
-@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
-def test_quantized_rows_are_decoded_in_pieces_into_reused_memory(name, monkeypatch):
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"])
+@pytest.mark.parametrize("n_head,head_dim", [(2, 32), (4, 64), (2, 48)])  # 48: blocks straddle two heads
+def test_quantized_rows_are_decoded_in_pieces_into_reused_memory(name, n_head, head_dim, monkeypatch):
     """A quantized cache's rows read for attention equal the whole-read decode, also when the read spans
-    several decode pieces, and land in the scratch buffer."""
+    several decode pieces, and land in the scratch buffer; for every type, and heads whose values span
+    parts of two blocks."""
     from engine.kv import storage
     from engine.kv.storage import RowStorage, Scratch
     from engine.kv.types import cache_type
 
     monkeypatch.setattr(storage, "DEQUANT_CELLS", 16)  # 50 cells: four pieces, the last one short
-    rows = RowStorage(cache_type(name), n_stream=2, kv_size=64, width=64, n_head=2)
-    rows.write(torch.tensor([1] * 50), torch.arange(50), torch.randn(50, 64))
+    width = n_head * head_dim
+    rows = RowStorage(cache_type(name), n_stream=2, kv_size=64, width=width, n_head=n_head)
+    rows.write(torch.tensor([1] * 50), torch.arange(50), torch.randn(50, width))
     scratch = Scratch()
     got = rows.read_heads(slice(1, 2), 50, torch.float32, scratch)
-    expected = rows.read(slice(1, 2), 50, torch.float32).view(1, 50, 2, 32).transpose(1, 2)
+    expected = rows.read(slice(1, 2), 50, torch.float32).view(1, 50, n_head, head_dim).transpose(1, 2)
+    assert got.shape == (1, n_head, 50, head_dim)
     assert torch.equal(got, expected)
-    assert scratch.nbytes == 75 * 64 * 4  # the 50 cells read and half again (under the storage's 128)
+    assert scratch.nbytes == 75 * width * 4  # the 50 cells read and half again (under the storage's 128)
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_1"])
+def test_quantized_rows_of_several_streams_decode_per_stream(name):
+    """Streams picked by an index tensor (a ubatch over several streams) decode each stream's own rows; a
+    compute dtype other than float32 gets the float32 decode's values rounded once."""
+    from engine.kv.storage import RowStorage, Scratch
+    from engine.kv.types import cache_type
+
+    rows = RowStorage(cache_type(name), n_stream=3, kv_size=32, width=64, n_head=2)
+    values = torch.randn(3, 20, 64)
+    for s in range(3):
+        rows.write(torch.full((20,), s), torch.arange(20), values[s])
+    streams = torch.tensor([2, 0])
+    got = rows.read_heads(streams, 20, torch.float32, Scratch())
+    for g, s in enumerate((2, 0)):
+        alone = rows.read(slice(s, s + 1), 20, torch.float32)[0]
+        assert torch.equal(got[g].transpose(0, 1).reshape(20, 64), alone)
+    in_bf16 = rows.read_heads(streams, 20, torch.bfloat16, Scratch())
+    assert in_bf16.dtype == torch.bfloat16 and torch.equal(in_bf16, got.to(torch.bfloat16))
 
 
 def test_transposed_f16_v_is_converted_into_reused_memory_too():

@@ -287,7 +287,8 @@ def test_storage_holds_the_block_bytes(name):
     ctx = engine.Context(model, n_ctx=256, type_k=name, type_v=name)
     t = cache_type(name)
     for rows in ctx.memory.k + ctx.memory.v:
-        assert rows.data.dtype == torch.uint8 and rows.data.shape == (1, 256, t.block_bytes)
+        assert rows.data.dtype == torch.uint8 and rows.nbytes == 256 * t.block_bytes
+        assert rows.stored_rows(0, torch.arange(256)).shape == (256, t.block_bytes)  # llama.cpp's rows
     assert ctx.memory.k_bytes() == ctx.memory.v_bytes() == 2 * 256 * t.block_bytes
     mib = f"{2 * 256 * t.block_bytes / 2 ** 20:7.2f}"
     assert ctx.init_log_lines[-1].endswith(f"K ({name}): {mib} MiB, V ({name}): {mib} MiB")
@@ -417,8 +418,9 @@ def test_k_shift_requantizes_the_roped_keys(name):
     ctx = engine.Context(model, n_ctx=256, type_k=name, type_v=name)
     assert ctx.decode(engine.Batch(tokens=TOKENS[:20], pos=list(range(20)), seq_ids=[[0]] * 20, logits=[False] * 20)) == 0
     mem = ctx.memory
-    old_k = [rows.data[0].clone() for rows in mem.k]
-    old_v = [rows.data[0].clone() for rows in mem.v]
+    every_cell = torch.arange(256)
+    old_k = [rows.stored_rows(0, every_cell).clone() for rows in mem.k]
+    old_v = [rows.stored_rows(0, every_cell).clone() for rows in mem.v]
     mem.seq_rm(0, 2, 5)
     mem.seq_add(0, 5, -1, -3)
     shifted = torch.arange(5, 20)
@@ -435,13 +437,13 @@ def test_k_shift_requantizes_the_roped_keys(name):
     assert ctx.decode(engine.Batch(tokens=[TOKENS[20]], pos=[17], seq_ids=[[0]], logits=[True])) == 0
     new_cell = 2  # the first free cell
     for il in range(len(mem.k)):
-        data = mem.k[il].data[0]
+        data = mem.k[il].stored_rows(0, every_cell)
         assert torch.equal(data[shifted], expected[il]), f"layer {il}"
         assert not torch.equal(data[shifted], old_k[il][shifted])
         assert torch.equal(data[:2], old_k[il][:2])  # not shifted, not rewritten
         assert not torch.equal(data[new_cell], old_k[il][new_cell])  # the new token's key
         keep = torch.tensor([0, 1] + shifted.tolist())
-        assert torch.equal(mem.v[il].data[0][keep], old_v[il][keep])  # V is never touched
+        assert torch.equal(mem.v[il].stored_rows(0, every_cell)[keep], old_v[il][keep])  # V is never touched
     assert all(c[2] == 0 for c in mem.cells())
 
 

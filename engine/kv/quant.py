@@ -135,13 +135,17 @@ def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_q8_0(b: torch.Tensor) -> torch.Tensor:
-    """The int8 values are converted straight into the result and scaled there in place: two passes and no
-    temporaries (gathering them into a contiguous copy first took ~13x as long for 2048 rows of 256)."""
     blk = _from_bytes(b, 34)
     values = torch.empty(*blk.shape[:-1], QK, dtype=torch.float32, device=b.device)
-    values.copy_(blk[..., 2:].view(torch.int8))
-    values.mul_(blk[..., :2].contiguous().view(torch.float16))  # f16 scales promote exactly to float32
+    dequantize_q8_0_into(blk, values)
     return _rows(values, tuple(b.shape[:-1]))
+
+
+def dequantize_q8_0_into(blk: torch.Tensor, out: torch.Tensor) -> None:
+    """Blocks [..., 34] decoded into float32 `out` [..., 32] (a view: where the values belong): each int8 value
+    times its block's f16 scale, in one pass with no temporaries (gathering the values into a contiguous copy
+    first took ~13x as long for 2048 rows of 256)."""
+    torch.mul(blk[..., 2:].view(torch.int8), blk[..., :2].contiguous().view(torch.float16).float(), out=out)
 
 
 # ---- q4_0 / q5_0 (symmetric, scale from the signed absmax) --------------------------------------
@@ -159,14 +163,19 @@ def quantize_q4_0(x: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_q4_0(b: torch.Tensor) -> torch.Tensor:
-    """As dequantize_q8_0: the nibbles go straight into the result, which is then shifted and scaled in place."""
     blk = _from_bytes(b, 18)
     values = torch.empty(*blk.shape[:-1], QK, dtype=torch.float32, device=b.device)
-    qs = blk[..., 2:]
-    values[..., :16].copy_(qs & 0x0F)
-    values[..., 16:].copy_(qs >> 4)
-    values.sub_(8).mul_(blk[..., :2].contiguous().view(torch.float16))
+    dequantize_q4_0_into(blk, values)
     return _rows(values, tuple(b.shape[:-1]))
+
+
+def dequantize_q4_0_into(blk: torch.Tensor, out: torch.Tensor) -> None:
+    """Blocks [..., 18] decoded into float32 `out` [..., 32] (a view, as dequantize_q8_0_into): the nibbles go
+    straight into it, which is then shifted and scaled in place."""
+    qs = blk[..., 2:]
+    out[..., :16].copy_(qs & 0x0F)
+    out[..., 16:].copy_(qs >> 4)
+    out.sub_(8).mul_(blk[..., :2].contiguous().view(torch.float16))
 
 
 def quantize_q5_0(x: torch.Tensor) -> torch.Tensor:
@@ -289,3 +298,6 @@ QUANTIZERS = {
     "q5_1": (quantize_q5_1, dequantize_q5_1),
     "iq4_nl": (quantize_iq4_nl, dequantize_iq4_nl),
 }
+# Decoders of blocks [..., block_bytes] into a float32 view [..., 32], for the types whose rows attention reads
+# most (the others decode into a new tensor, which is then copied where it belongs).
+DEQUANTIZERS_INTO = {"q8_0": dequantize_q8_0_into, "q4_0": dequantize_q4_0_into}

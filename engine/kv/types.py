@@ -19,6 +19,9 @@ class CacheType:
     # Quantized types: float rows [..., n] <-> block bytes [..., n / block_size * block_bytes] (uint8).
     quantize: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False, repr=False)
     dequantize: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False, repr=False)
+    # blocks [..., block_bytes] -> into a float32 view [..., block_size], for the types that have such a decoder
+    dequantize_into: Callable[[torch.Tensor, torch.Tensor], None] | None = field(default=None, compare=False,
+                                                                                  repr=False)
 
     @property
     def is_quantized(self) -> bool:
@@ -41,7 +44,8 @@ CACHE_TYPES: dict[str, CacheType] = {
 # ggml's quantized types that llama.cpp accepts for the KV cache (-ctk/-ctv), in its order.
 for _name in ("q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"):
     _q, _dq = quant.QUANTIZERS[_name]
-    CACHE_TYPES[_name] = CacheType(_name, quant.QK, quant.BLOCK_BYTES[_name], None, quantize=_q, dequantize=_dq)
+    CACHE_TYPES[_name] = CacheType(_name, quant.QK, quant.BLOCK_BYTES[_name], None, quantize=_q, dequantize=_dq,
+                                   dequantize_into=quant.DEQUANTIZERS_INTO.get(_name))
 del _name, _q, _dq
 
 
