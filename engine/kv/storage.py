@@ -117,13 +117,10 @@ class RowStorage:
         decoded into `scratch` when given (reused memory: a fresh 64 MiB f32 copy per layer at 32k cells
         costs more in page faults than the attention itself)."""
         if self.ctype.is_quantized:
-            if not self.head_major:
-                rows = self.read(streams, n_kv, dtype) if scratch is None else self._dequantize_rows_into(
-                    scratch, streams, n_kv, dtype)
-                return rows.view(rows.shape[0], n_kv, self.n_head, self.head_dim).transpose(1, 2)
-            if scratch is None:
-                return self.ctype.dequantize(self.data[streams, :, :n_kv]).to(dtype)
-            return self._dequantize_heads_into(scratch, streams, n_kv, dtype)
+            values = self._decoded(streams, n_kv, dtype, scratch)
+            if self.head_major:
+                return values
+            return values.view(values.shape[0], n_kv, self.n_head, self.head_dim).transpose(1, 2)
         heads = self.data[streams, :, :n_kv]
         if self.transposed:  # [n_streams, width, n_kv] -> a view by head
             heads = heads.view(heads.shape[0], self.n_head, self.head_dim, n_kv).transpose(-1, -2)
@@ -133,45 +130,40 @@ class RowStorage:
             return heads.to(dtype)
         return scratch.take(heads.shape, dtype, heads.device, self.data.numel()).copy_(heads)
 
-    def _dequantize_heads_into(self, scratch: Scratch, streams: slice | torch.Tensor, n_kv: int,
-                               dtype: torch.dtype) -> torch.Tensor:
-        """Head-major quantized rows decoded into scratch as [n_streams, n_head, n_kv, head_dim], DEQUANT_CELLS
-        cells at a time: the decoder's temporaries stay a few MiB (reused by the allocator) instead of several
-        copies of the whole read, each mapped fresh (a q8_0 cache at 32k cells: 843 ms per token that way)."""
-        blocks = self.data[streams, :, :n_kv]  # [n_streams, n_head, n_kv, head bytes]
-        out = scratch.take((blocks.shape[0], self.n_head, n_kv, self.head_dim), dtype, self.device,
-                           self.n_stream * self.kv_size * self.width)
+    def _decoded(self, streams: slice | torch.Tensor, n_kv: int, dtype: torch.dtype,
+                 scratch: Scratch | None = None) -> torch.Tensor:
+        """The first n_kv cells of quantized rows decoded, in the storage's layout: [n_streams, n_head, n_kv,
+        head_dim] head-major, else [n_streams, n_kv, width]. Into scratch when given, DEQUANT_CELLS cells at a
+        time: the decoder's temporaries stay a few MiB (reused by the allocator) instead of several copies of
+        the whole read, each mapped fresh (a q8_0 cache at 32k cells: 843 ms per token that way); q8_0 and
+        q4_0 blocks decode straight into place."""
+        # cells on axis -2 in either layout, a head's or a row's block bytes on the last
+        blocks = self.data[streams, :, :n_kv] if self.head_major else self.data[streams, :n_kv]
+        if scratch is None:
+            return self.ctype.dequantize(blocks).to(dtype)
+        n_values = self.head_dim if self.head_major else self.width
+        out = scratch.take((*blocks.shape[:-1], n_values), dtype, self.device, self.n_stream * self.kv_size * self.width)
         into = self.ctype.dequantize_into if dtype == torch.float32 else None
+        n_blocks = n_values // self.ctype.block_size
         for start in range(0, n_kv, DEQUANT_CELLS):
-            end = min(start + DEQUANT_CELLS, n_kv)
+            cells = slice(start, min(start + DEQUANT_CELLS, n_kv))
             if into is None:
-                out[:, :, start:end] = self.ctype.dequantize(blocks[:, :, start:end])
-            else:  # straight into place: each head's piece of out is contiguous
-                bs = self.ctype.block_size
-                into(blocks[:, :, start:end].unflatten(-1, (self.head_dim // bs, self.ctype.block_bytes)),
-                     out[:, :, start:end].unflatten(-1, (self.head_dim // bs, bs)))
-        return out
-
-    def _dequantize_rows_into(self, scratch: Scratch, streams: slice | torch.Tensor, n_kv: int,
-                              dtype: torch.dtype) -> torch.Tensor:
-        """Row-major quantized rows (blocks spanning heads) decoded into scratch as [n_streams, n_kv, width],
-        DEQUANT_CELLS cells at a time (as _dequantize_heads_into)."""
-        blocks = self.data[streams, :n_kv]
-        out = scratch.take((blocks.shape[0], n_kv, self.width), dtype, self.device, self.n_stream * self.kv_size * self.width)
-        for start in range(0, n_kv, DEQUANT_CELLS):
-            end = min(start + DEQUANT_CELLS, n_kv)
-            out[:, start:end] = self.ctype.dequantize(blocks[:, start:end])
+                out[..., cells, :] = self.ctype.dequantize(blocks[..., cells, :])
+            else:
+                into(blocks[..., cells, :].unflatten(-1, (n_blocks, self.ctype.block_bytes)),
+                     out[..., cells, :].unflatten(-1, (n_blocks, self.ctype.block_size)))
         return out
 
     def read(self, streams: slice | torch.Tensor, n_kv: int, dtype: torch.dtype) -> torch.Tensor:
         """The first n_kv rows of the selected streams as [n_streams, n_kv, width] in dtype."""
-        if self.ctype.is_quantized and not self.head_major:
-            return self.ctype.dequantize(self.data[streams, :n_kv]).to(dtype)
+        if self.ctype.is_quantized:
+            values = self._decoded(streams, n_kv, dtype)
+            if not self.head_major:
+                return values
+            return values.transpose(1, 2).reshape(values.shape[0], n_kv, self.width)
         if self.transposed:
             return self.data[streams, :, :n_kv].transpose(-1, -2).to(dtype)
-        heads = self.data[streams, :, :n_kv]  # [n_streams, n_head, n_kv, head_elements]
-        if self.ctype.is_quantized:
-            heads = self.ctype.dequantize(heads)
+        heads = self.data[streams, :, :n_kv]  # [n_streams, n_head, n_kv, head_dim]
         return heads.transpose(1, 2).reshape(heads.shape[0], n_kv, self.width).to(dtype)
 
     def read_cells(self, stream: int, cells: torch.Tensor) -> torch.Tensor:
