@@ -13,6 +13,7 @@ come from engine/watch, so both explorers read alike.
     SwaWindow.of(session, seq=1)     # what seq 1's next token sees, position by position
     EventLog.of(session)             # the latest events, filtered
     ServerView.of(session)           # a server workload's turns (reused / recomputed / new) and slots
+    SessionLogPanel(session)         # the engine's log lines of a session run here, by level
     grid.follow(session)             # redrawn live by the session's worker after each change
     Timeline.open("run.kvtrace")     # a slider over a recording; attach(grid, ...) the views it moves
     Compare.of_settings(a=dict(type_k="f16"), b=dict(type_k="q4_0"), prompt="And God said")  # A/B
@@ -23,7 +24,9 @@ from explorer.explorer import Explorer
 from explorer.grid import CellGrid
 from explorer.memory import MemoryBars
 from explorer.server import ServerView
+from explorer.session_log import SessionLogPanel
 from explorer.timeline import Timeline
 from explorer.window import SwaWindow
 
-__all__ = ["CellGrid", "Compare", "EventLog", "Explorer", "MemoryBars", "ServerView", "SwaWindow", "Timeline"]
+__all__ = ["CellGrid", "Compare", "EventLog", "Explorer", "MemoryBars", "ServerView", "SessionLogPanel", "SwaWindow",
+           "Timeline"]

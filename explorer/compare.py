@@ -15,19 +15,22 @@ from __future__ import annotations
 
 import html
 import time
+from typing import TYPE_CHECKING
 
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
 from engine import events as ev
-from engine.runners.session import Session
-from engine.runners.workloads import WorkloadSpec
+from engine.watch import lifetime
 from engine.watch.compare import DistributionComparison
 from engine.watch.describe import status_parts, tokens_per_second
 from engine.watch.watcher import Watcher
 from explorer.grid import CellGrid
 from explorer.memory import MemoryBars
 from explorer.view import Shown, row
+
+if TYPE_CHECKING:  # the engine's session imports torch: only of_settings makes sessions here
+    from engine.runners.session import Session
 
 COMMON_SETTINGS = dict(n_ctx=512, n_seq_max=1, kv_unified=True)
 GREEDY = dict(temperature=0.0, seed=1)
@@ -103,12 +106,16 @@ class Compare(Shown):
         # every redraw on a's worker: b's changes are queued there too, so two redraws never overlap
         self._stops = [a.on_change(self.update, every_s), b.on_change(lambda: a.call(self.update), every_s)]
         self.update()
+        lifetime.close_at_exit(self, lifetime.FRONT_ENDS)
 
     @classmethod
     def of_settings(cls, model: str = "demo", *, a: dict, b: dict, prompt: str | None = None, n_predict: int = 64,
                     common: dict | None = None, labels: tuple[str, str] | None = None, **options) -> Compare:
         """Two sessions of `model` with the common settings and a's and b's own, generating greedily; the
         prompt (if any) is added to both."""
+        from engine.runners.session import Session
+        from engine.runners.workloads import WorkloadSpec
+
         base = {**COMMON_SETTINGS, **(common or {}), "publish_logits": True}
         spec = WorkloadSpec("generate", n_predict=n_predict, sampler=GREEDY)
         sessions = [Session(model, settings={**base, **own}, workload=spec) for own in (a, b)]
@@ -166,6 +173,7 @@ class Compare(Shown):
         return [self.columns[0].grid.figure, self.columns[1].grid.figure, self.figure]
 
     def close(self) -> None:
+        lifetime.discard(self)
         for stop in self._stops:
             stop()
         for sub in self._logits:

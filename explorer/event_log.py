@@ -11,7 +11,7 @@ from engine import events as ev
 from engine.watch import style
 from engine.watch.describe import EVENT_GROUPS, EventFilter, describe_event, event_seqs, held_seqs
 from engine.watch.watcher import Watcher
-from explorer.view import WatcherView, observe_value, replace_options, row
+from explorer.view import LOG_TEXT_STYLE, WatcherView, observe_value, replace_options, row
 
 ANY = "any"
 
@@ -70,7 +70,7 @@ class EventLog(WatcherView):
         self._offer_choices()
         kept = self.kept()
         lines = "<br>".join(event_line(e, self.dark) for e in kept) or "<i>no event of this filter yet</i>"
-        self.text.value = (f"<div style='font-family: monospace; font-size: 12px; white-space: pre'>{lines}</div>")
+        self.text.value = f"<div style='{LOG_TEXT_STYLE}'>{lines}</div>"
         return kept
 
     def _offer_choices(self) -> None:

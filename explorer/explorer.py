@@ -12,6 +12,12 @@ How it stays live without a thread of its own: a session run here redraws the vi
 (Session.call), so two redraws never overlap and the kernel stays free to run other cells. A remote
 session is redrawn on the kernel's own thread, driven by a Play widget ticking in the browser; a
 recording only moves when its timeline does.
+Views slower to draw than every_s are redrawn less often instead of queueing up, each redraw drawing the
+latest state, and the status line says so (explorer/pacing.py).
+
+What the engine logs while it works for a session run here (llama.cpp's lines: "context full, swapping:
+...") is kept by the session (Session.log) and shown in the explorer's engine log, under the event log,
+never written under whichever cell runs next.
 """
 from __future__ import annotations
 
@@ -25,13 +31,16 @@ import ipywidgets as widgets
 
 from engine import events as ev
 from engine.runners.launch import source_from_flags
+from engine.watch import lifetime
 from engine.watch.describe import cache_title, held_seqs, status_parts, tokens_per_second
 from engine.watch.sources import Source, remote_source, replay_source, session_source
 from explorer.controls import SessionControls
 from explorer.event_log import EventLog
 from explorer.grid import CellGrid
 from explorer.memory import MemoryBars
+from explorer.pacing import RedrawPacer
 from explorer.server import ServerView
+from explorer.session_log import SessionLogPanel
 from explorer.settings import SettingsPanel
 from explorer.timeline import Timeline
 from explorer.view import Shown, choose, observe_value, replace_options, row
@@ -94,12 +103,15 @@ class Explorer(Shown):
             watcher.poll()  # the caches' sizes arrive with the source's first events
             every_s = default_every_s(sum(c.size * len(c.streams) for c in watcher.mirror.caches.values()))
         self.every_s = every_s
+        self.pacer = RedrawPacer(every_s)
         self.grid = CellGrid(watcher, columns=columns, dark=dark, attention=attention)
         self.window = SwaWindow(watcher, dark=dark)
         self.bars = MemoryBars(watcher)
         self.log = EventLog(watcher, dark=dark)
         self.server = ServerView(watcher, dark=dark)
         self.views = [self.grid, self.window, self.bars, self.log, self.server]
+        # the engine's own lines, kept by a session run here (a remote one's stay on its server)
+        self.session_log = SessionLogPanel(self.session) if self.local else None
         self.grid.on_cell_click = self._cell_clicked
         self.header, self.status = widgets.HTML(), widgets.HTML()
         self._make_selection(attention)
@@ -112,19 +124,20 @@ class Explorer(Shown):
         self._ticker = None
         self._stop_following = self._follow(every_s)
         self.update()
+        lifetime.close_at_exit(self, lifetime.FRONT_ENDS)
 
     def _follow(self, every_s: float):
         """Redraw live: a local session's worker redraws (and runs the controls' redraws); a remote one is
         ticked from the browser on the kernel's thread; a recording only moves with its timeline. Returns
         what stops it (None: nothing to stop)."""
         if self.local:
-            for view in self.views:
+            for view in [*self.views, self.session_log]:
                 view.runner = self.session.call
             return self.session.on_change(self.update, every_s)
         if self.session is not None:
             self._ticker = widgets.Play(interval=int(every_s * 1000), max=10**9, show_repeat=False,
                                         description="follow", playing=True)
-            self._ticker.observe(lambda _: self.update(), names="value")
+            self._ticker.observe(lambda _: self._tick(), names="value")
             self.widget.children = (*self.widget.children, self._ticker)
         return None
 
@@ -180,15 +193,24 @@ class Explorer(Shown):
         if self.timeline is not None:
             parts.append(self.timeline.widget)
         parts.append(self.log.widget)
+        if self.session_log is not None:
+            parts.append(self.session_log.widget)
         return widgets.VBox(parts)
 
     # ---- drawing ------------------------------------------------------------------------------------
     def update(self) -> None:
         """Redraw every view from what arrived (while the timeline is live); the header and status always.
         Its times (seconds, the latest 100) are kept in `update_seconds`."""
-        started = time.perf_counter()
+        started = time.monotonic()
         self._update()
-        self.update_seconds.append(time.perf_counter() - started)
+        ended = time.monotonic()
+        self.update_seconds.append(ended - started)
+        self.pacer.drawn(started, ended)
+
+    def _tick(self) -> None:
+        """The follow ticker's redraw (a remote session), unless it queued behind a slow one (RedrawPacer)."""
+        if self.pacer.due():
+            self.update()
 
     def _update(self) -> None:
         watcher = self.source.watcher if self.timeline is None else self.timeline.watcher
@@ -199,6 +221,8 @@ class Explorer(Shown):
                 view.update()
             if self.timeline is not None:
                 self.timeline.follow_live()
+        if self.session_log is not None:
+            self.session_log.update()
         self._offer_seqs(watcher)
         self._draw_status(watcher)
         self.server.widget.layout.display = None if watcher.server.active else "none"
@@ -222,6 +246,12 @@ class Explorer(Shown):
             parts.append(f"<span style='{TONE_STYLES[tone]}'>{html.escape(text)}</span>")
             if text.startswith("step "):
                 parts.append(f"{tokens_per_second(self._steps, time.monotonic()):.0f} tok/s")
+        slow = self.pacer.slowed()
+        if slow is not None:
+            n = self.pacer.skipped
+            skipped = f", {n} tick{'s' if n != 1 else ''} skipped" if n else ""
+            parts.append(f"<span style='{TONE_STYLES['warning']}'>views behind: a redraw takes {slow * 1e3:.0f} ms; "
+                         f"redrawing at most every {2 * slow:.1f} s{skipped}</span>")
         self.status.value = " · ".join(parts)
 
     def _offer_seqs(self, watcher) -> None:
@@ -277,6 +307,7 @@ class Explorer(Shown):
     # ---- the end ------------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop following, stop recording, close the source (a session run here is closed)."""
+        lifetime.discard(self)
         if self._stop_following is not None:
             self._stop_following()
         if self.controls is not None:

@@ -8,6 +8,11 @@ from typing import Callable
 from engine.watch.watcher import Watcher
 
 
+# The text of a log view: lines of its own height, since the page's (a JupyterLab widget's 28 px) pushed the
+# latest lines out of the box sized for them, below its scroll.
+LOG_TEXT_STYLE = "font-family: monospace; font-size: 12px; line-height: 1.4; white-space: pre"
+
+
 class Shown:
     """Anything the notebook explorer shows: it displays `widget` and exports the plotly figures it draws
     (figures()) to one standalone HTML page or one PNG."""

@@ -384,6 +384,27 @@ def test_on_change_redraws_from_the_worker_coalesced_and_ends_on_the_final_state
         assert len(seen) == n
 
 
+def test_a_redraw_slower_than_its_cadence_waits_its_own_time_and_draws_the_steps_between():
+    """Backpressure: a 0.3 s redraw asked for every 0.02 s came after every step, so the views took most
+    of the worker's time; now it waits as long as it took, and the steps meanwhile are drawn together."""
+    steps_at_redraws = []
+    with Session("demo", settings=dict(n_ctx=256, n_seq_max=2, kv_unified=True, swa_full=True), steps_per_second=20,
+                 workload=WorkloadSpec("generate", n_predict=-1, sampler=SamplerParams(temperature=0.0, seed=1))) as s:
+        def slow_redraw():
+            steps_at_redraws.append(s.status().step)
+            time.sleep(0.3)
+
+        s.on_change(slow_redraw, every_s=0.02)
+        s.add_prompt("And God said unto Moses").result()
+        s.start().result()
+        time.sleep(3.0)
+        s.pause().result()
+    steps_between = [b - a for a, b in zip(steps_at_redraws, steps_at_redraws[1:])]
+    assert len(steps_between) >= 3, steps_at_redraws
+    # 0.3 s of drawing, then 0.3 s of steps at 20 per second: about 6 (fewer on a busy machine), not 1
+    assert sum(steps_between) / len(steps_between) >= 2.5, steps_at_redraws
+
+
 def test_a_failing_on_change_is_an_event_and_the_worker_goes_on():
     with Session("demo", settings=dict(n_ctx=256, n_seq_max=2, kv_unified=True, swa_full=True),
                  workload=WorkloadSpec("generate", n_predict=8)) as s:

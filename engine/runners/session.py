@@ -34,11 +34,14 @@ from engine.context import Context
 from engine.errors import KvscopeError
 from engine.models.model import Model, load_model
 from engine.runners.heap import release_free_heap
+from engine.runners.session_log import SessionLog
 from engine.runners.workloads import IDLE, WorkloadSpec, make_workload
 from engine.sizing.estimate import estimate
+from engine.watch import lifetime
 from engine.watch.protocol import Status, StepOutcome
 
 HEAP_RELEASE_EVERY_S = 60.0  # a running session gives freed heap back this often (engine/runners/heap.py)
+CLOSE_WAIT_S = 60.0  # close() waits this long for the step the worker is in (a long prefill on a CPU)
 log = logging.getLogger("kvscope.session")
 
 # What a session's context gets unless told otherwise: small enough that the cache's behaviour shows
@@ -75,13 +78,19 @@ class Session:
 
     def __init__(self, model: str | Path | Model = "demo", *, settings: dict | None = None,
                  workload: str | WorkloadSpec = "idle", threaded: bool = True, steps_per_second: float = 0.0,
-                 bus: ev.EventBus | None = None, dtype: str = "f32", threads: int | None = None) -> None:
+                 bus: ev.EventBus | None = None, dtype: str = "f32", threads: int | None = None,
+                 verbose: bool = False, log_level: str = "info") -> None:
         """threads: torch's compute threads for the whole process (None: torch's own choice); a front-end
-        that shares the process leaves a core to itself (engine/runners/launch.py)."""
+        that shares the process leaves a core to itself (engine/runners/launch.py).
+        What the engine logs while it works for this session (llama.cpp's lines: "context full, swapping:
+        ...") is kept in `self.log` (a SessionLog: lines of log_level and above) instead of being written on
+        stderr from the worker, into whatever a notebook shows at the time; verbose: print them on stderr
+        as well. Logging handlers the application configured get them either way (engine/runners/session_log.py)."""
         threads = optional_int(threads, "threads", "Session")
         if threads is not None and threads < 1:
             raise KvscopeError(f"Session: threads must be >= 1, got {threads}")
         self._threads = threads
+        self.log = SessionLog(verbose=verbose, level=log_level)
         self.bus = bus if bus is not None else ev.EventBus()
         self._settings = {**DEFAULT_SETTINGS, **(settings or {})}
         self._spec = workload if isinstance(workload, WorkloadSpec) else WorkloadSpec(kind=workload)
@@ -110,6 +119,7 @@ class Session:
             # OpenMP teams on two cores), which this avoids whenever the session loads the model itself.
             self._thread = threading.Thread(target=self._loop, name="kvscope-session", daemon=True)
             self._thread.start()
+            lifetime.close_at_exit(self, lifetime.SESSIONS)
         opened = self._submit("open", lambda: self._open(model, dtype), quiet=True)
         try:
             opened.result()
@@ -148,8 +158,9 @@ class Session:
         every `every_s` seconds while they come quickly, and once more after the last of them, so that a
         view redrawn from it ends on the final state. This is how a front-end that may not start a thread
         of its own (the notebook explorer) updates live; the callback runs between steps, so it delays
-        the next one by its own time. A failing callback is published as a CommandDone error and kept.
-        Returns a function that removes it."""
+        the next one by its own time, and a callback that takes longer than every_s runs at most every
+        twice its own time (the worker keeps half for the steps). A failing callback is published as a
+        CommandDone error and kept. Returns a function that removes it."""
         if every_s < 0:
             raise KvscopeError(f"on_change: every_s must be >= 0, got {every_s}")
         redraw = _Redraw(callback, float(every_s))
@@ -201,10 +212,11 @@ class Session:
             if self._closed:
                 raise SessionClosedError("step: the session is closed")
             done: list[StepOutcome] = []
-            while len(done) < n and (not done or done[-1].phase != "idle"):
-                done.append(self._do_one_step())
-            future.set_result(done)
-            self._changed()
+            with self.log.capturing():
+                while len(done) < n and (not done or done[-1].phase != "idle"):
+                    done.append(self._do_one_step())
+                future.set_result(done)
+                self._changed()
             return future
         return self._submit("step", lambda: self._step_requests.append((n, [], future)) or future, f"n={n}",
                             chain=future)
@@ -305,10 +317,12 @@ class Session:
         self._closed = True
         if self._thread is not None:
             self._queue.put(None)
-            self._thread.join(timeout=60)
+            self._thread.join(timeout=CLOSE_WAIT_S)
+            lifetime.discard(self)
         if hasattr(self, "ctx"):  # a session whose opening failed has none
             self._set_state("closed")
             self._release_context()
+        self.log.close()
 
     def __enter__(self) -> Session:
         return self
@@ -329,6 +343,10 @@ class Session:
         return chain if chain is not None else command.future
 
     def _loop(self) -> None:
+        with self.log.capturing():  # everything the worker logs is this session's
+            self._serve_commands_and_steps()
+
+    def _serve_commands_and_steps(self) -> None:
         while True:
             try:
                 command = self._queue.get(timeout=self._wait_time())
@@ -371,12 +389,19 @@ class Session:
         with self._lock:
             due = [r for r in self._redraws if r.pending and (every_pending or time.monotonic() >= r.due_at)]
         for redraw in due:
-            redraw.pending, redraw.due_at = False, time.monotonic() + redraw.every_s
+            redraw.pending, started = False, time.monotonic()
             try:
                 redraw.callback()
             except Exception as e:  # noqa: BLE001 - a view's failure must never end the worker
                 self._publish(ev.CommandDone("on_change", getattr(redraw.callback, "__name__", "callback"), False,
                                              f"{type(e).__name__}: {e}", 0.0))
+            finally:
+                # Backpressure: a redraw slower than every_s would otherwise run after every step, the views
+                # taking most of the worker's time (and the page getting more than it can draw). It waits as
+                # long as it took instead: drawing takes at most half the worker, and the changes of the
+                # steps meanwhile are drawn together, from the state they left, by the next one.
+                ended = time.monotonic()
+                redraw.due_at = max(started + redraw.every_s, ended + (ended - started))
 
     def _wants_step(self) -> bool:
         """A step is due: one was asked for, or the session runs ("idle": running with nothing to do, until
@@ -388,7 +413,7 @@ class Session:
         t0 = time.perf_counter()
         self._idle_since_command = False  # a command may give an idle workload something to do
         try:
-            with self.bus.cause(f"command: {command.name}"):
+            with self.log.capturing(), self.bus.cause(f"command: {command.name}"):
                 result = command.run()
         except Exception as e:  # noqa: BLE001 - a failing command must never end the worker
             command.future.set_exception(e)

@@ -19,6 +19,7 @@ import msgpack
 
 from engine import events as ev
 from engine.errors import KvscopeError
+from engine.watch import lifetime
 from engine.watch.codec import CodecError, encode_event
 from engine.watch.mirror import CacheMirror
 from engine.watch.recording_format import (
@@ -40,6 +41,9 @@ from engine.watch.recording_format import (
     header_bytes,
     kvscope_version,
 )
+
+
+CLOSE_WAIT_S = 30.0  # close() waits this long for the background pump to see that it must stop
 
 
 class Recorder:
@@ -116,6 +120,7 @@ class Recorder:
         self._thread = threading.Thread(target=self._pump_loop, args=(interval,), name="kvscope-recorder",
                                         daemon=True)
         self._thread.start()
+        lifetime.close_at_exit(self, lifetime.WRITERS)
 
     def _pump_loop(self, interval: float) -> None:
         while not self._stop.wait(interval):
@@ -177,7 +182,8 @@ class Recorder:
         error that stopped a background pump, if one did (the file is still closed, complete up to it)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout=CLOSE_WAIT_S)  # then the lock below waits for the pump it is in
+            lifetime.discard(self)
         with self._lock:
             if self._closed:
                 return
