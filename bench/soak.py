@@ -213,7 +213,8 @@ def main() -> int:
     with Session(model, settings=settings, workload=spec) as session, \
             SessionServer("127.0.0.1", args.port) as server:
         server.start(session)
-        remote = RemoteSession(server.command_address) if "remote view" not in args.without else None
+        remote = (RemoteSession(server.command_address, token=server.token) if "remote view" not in args.without
+                  else None)
         views = {"view": lambda: Poller(Watcher.of(session), 0.1, frames=True),
                  "slow view": lambda: Poller(Watcher(session.subscribe(64), session.current_state), 2.0),
                  "remote view": lambda: Poller(Watcher.of(remote), 0.2)}

@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from engine import cli
+from engine import cli, llama_flags
 from engine.errors import KvscopeError
 from engine.runners.launch import open_source
 
@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] != "tui":
         return cli.main(argv)
-    args = cli.build_parser().parse_args(argv or ["tui"])
+    args = llama_flags.build_parser().parse_args(argv or ["tui"])
     try:
         return run_tui(args, demo=len(argv) <= 1)
     except KvscopeError as e:

@@ -309,7 +309,7 @@ def test_stray_argument_is_named(capsys):
 
 def flag_help(command: str) -> dict[str, str]:
     """Each flag's help text as --help prints it (before wrapping)."""
-    from engine.cli import DefaultsHelpFormatter, build_parser
+    from engine.llama_flags import DefaultsHelpFormatter, build_parser
 
     sub = build_parser().commands[command]
     formatter = DefaultsHelpFormatter(prog=sub.prog)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli import build_parser
+from engine.llama_flags import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "coming-from-llama-cpp.md"

@@ -92,3 +92,21 @@ def test_the_blocked_import_really_blocks_torch():
     """The check above means something only if reaching the model code fails under the same block."""
     done = run_python("import engine; engine.Context")
     assert done.returncode != 0 and "import of torch halted" in done.stderr
+
+
+def test_both_explorers_import_without_torch():
+    """A laptop that only watches (a remote session, a recording) has no torch: the terminal app, the
+    notebook explorer and the launcher they share import without it."""
+    import pytest
+
+    pytest.importorskip("textual", reason="the terminal explorer needs the tui extra")
+    pytest.importorskip("ipywidgets", reason="the notebook explorer needs the jupyter extra")
+    done = run_python("""
+        import explorer, tui.app, kvscope.launcher
+        from explorer import Explorer, Compare
+        print(" ".join(sorted(m for m in sys.modules if m.startswith("engine"))))
+    """)
+    assert done.returncode == 0, done.stderr
+    loaded = set(done.stdout.split())
+    assert {"engine.llama_flags", "engine.runners.launch"} <= loaded
+    assert not loaded & {"engine.context", "engine.runners.session", "engine.kv.cache"}, loaded

@@ -1,8 +1,10 @@
 """`kvscope serve` and RemoteSession in two processes on this machine: a remote watcher equals the engine
 after commands, a late one starts from the state, errors come back as the server's own, the token is
-required off this machine, and killing either side leaves the other running with a clear status."""
+required (on this machine too), and killing either side leaves the other running with a clear status.
+Hostile clients, paths and sizes: tests/test_serve_security.py."""
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -34,16 +36,20 @@ START_TIMEOUT = 60
 class Server:
     """A `kvscope serve` process; its stdout and stderr go to files, so that a full pipe never stalls it."""
 
-    def __init__(self, tmp: Path, name: str, port: int, *flags: str) -> None:
+    def __init__(self, tmp: Path, name: str, port: int, *flags: str, token: str | None = None) -> None:
+        """token: given through KVSCOPE_TOKEN, so that a restarted server takes the same and clients reconnect
+        by themselves (None: the server makes one up at each start)."""
         self.port, self.out, self.err = port, tmp / f"{name}.out", tmp / f"{name}.err"
         self.address = f"tcp://127.0.0.1:{port}"
         self.argv = [sys.executable, "-m", "engine.cli", "serve", "--port", str(port), *SERVE_FLAGS, *flags]
+        self.env = {**os.environ, "KVSCOPE_TOKEN": token} if token else None
         self.proc: subprocess.Popen | None = None
         self.start()
 
     def start(self) -> None:
         with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=REPO)
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=REPO,
+                                         env=self.env)
 
     def wait_ready(self) -> str:
         deadline = time.monotonic() + START_TIMEOUT
@@ -52,6 +58,14 @@ class Server:
             assert time.monotonic() < deadline, f"kvscope serve did not start: {self.err.read_text()}"
             time.sleep(0.05)
         return self.out.read_text()
+
+    @property
+    def token(self) -> str:
+        """The token this run of the server printed (a restarted server makes up another)."""
+        return re.findall(r"token: (\S+)", self.wait_ready())[-1]
+
+    def client(self, timeout: float = 10) -> RemoteSession:
+        return RemoteSession(self.address, token=self.token, timeout=timeout)
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         self.proc.send_signal(sig)
@@ -82,7 +96,7 @@ def servers(tmp_path_factory):
     tmp, taken = tmp_path_factory.mktemp("serve"), set()
     started = {"shared": Server(tmp, "shared", free_port_pair("127.0.0.1", taken)),
                "open": Server(tmp, "open", free_port_pair("0.0.0.0", taken), "--bind", "0.0.0.0"),
-               "doomed": Server(tmp, "doomed", free_port_pair("127.0.0.1", taken))}
+               "doomed": Server(tmp, "doomed", free_port_pair("127.0.0.1", taken), token="the-doomed-server-s-token")}
     yield started
     for server in started.values():
         if server.proc.poll() is None:
@@ -95,7 +109,7 @@ def shared(servers):
     """The shared server, paused, with a fresh generate workload and an empty cache."""
     server = servers["shared"]
     server.wait_ready()
-    with RemoteSession(server.address, timeout=10) as remote:
+    with server.client() as remote:
         remote.pause().result(30)
         remote.set_workload("generate", n_predict=12, sampler={"temperature": 0.0}).result(30)
         remote.clear().result(30)
@@ -122,7 +136,7 @@ def wait_until(condition, timeout: float = 10, what: str = "the condition") -> N
 
 
 def test_a_remote_watcher_equals_the_engine_after_commands(shared):
-    with RemoteSession(shared.address, timeout=10) as remote:
+    with shared.client() as remote:
         watcher = Watcher.of(remote)
         seq = remote.add_prompt("And God said unto Moses").result(30)
         outcomes = remote.step(4).result(30)
@@ -145,9 +159,9 @@ def test_a_remote_watcher_equals_the_engine_after_commands(shared):
 
 
 def test_a_late_watcher_gets_the_state_first(shared):
-    with RemoteSession(shared.address, timeout=10) as early:
+    with shared.client() as early:
         early.add_prompt("In the beginning").result(30)
-    with RemoteSession(shared.address, timeout=10) as late:
+    with shared.client() as late:
         engine = engine_view(late)
         sub = late.subscribe()
         state = sub.drain()
@@ -162,7 +176,7 @@ def test_a_late_watcher_gets_the_state_first(shared):
 
 
 def test_errors_come_back_as_the_servers_own_and_bytes_travel(shared):
-    with RemoteSession(shared.address, timeout=10) as remote:
+    with shared.client() as remote:
         with pytest.raises(ArgumentTypeError, match="seq_add: seq_id must be an int, got '0'"):
             remote.seq_add("0", 0, 1, 1).result(30)
         with pytest.raises(KvscopeError, match="seq 3 holds no cells"):
@@ -181,7 +195,7 @@ def test_errors_come_back_as_the_servers_own_and_bytes_travel(shared):
 
 
 def test_a_slow_remote_watcher_resyncs_and_is_right_again(shared):
-    with RemoteSession(shared.address, timeout=10) as remote:
+    with shared.client() as remote:
         slow = Watcher(remote.subscribe(maxsize=16), remote.current_state)
         remote.add_prompt("Let there be light").result(30)
         remote.step(6).result(30)
@@ -228,7 +242,7 @@ def test_killing_a_client_leaves_the_server_serving(shared):
     client = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         from engine.watch.remote import RemoteSession
         from engine.watch.watcher import Watcher
-        remote = RemoteSession({shared.address!r})
+        remote = RemoteSession({shared.address!r}, token={shared.token!r})
         watcher = Watcher.of(remote)
         remote.add_prompt("a client about to die").result(30)
         print("ready", flush=True)
@@ -241,7 +255,7 @@ def test_killing_a_client_leaves_the_server_serving(shared):
     finally:
         client.kill()
         client.wait(timeout=30)
-    with RemoteSession(shared.address, timeout=10) as other:
+    with shared.client() as other:
         watcher = Watcher.of(other)
         other.step(2).result(30)
         engine = engine_view(other)
@@ -255,9 +269,10 @@ def test_the_readme_remote_block_runs(shared):
     section = text[text.index("## Remote"):]
     start = section.index("```python\n") + len("```python\n")
     code = section[start:section.index("```", start)]
-    assert "tcp://gpu-box:5590" in code
+    assert "tcp://gpu-box:5590" in code and 'token="..."' in code
+    code = code.replace("tcp://gpu-box:5590", shared.address).replace('token="..."', f"token={shared.token!r}")
     scope: dict = {}
-    exec(compile(code.replace("tcp://gpu-box:5590", shared.address), "README.md", "exec"), scope)  # noqa: S102
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102
     remote, watcher = scope["remote"], scope["watcher"]
     try:
         wait_until(lambda: watcher.poll() >= 0 and watcher.last_step is not None, what="a step of the README's run")
@@ -267,11 +282,12 @@ def test_the_readme_remote_block_runs(shared):
         remote.close()
 
 
-def test_commands_need_the_token_when_bound_off_this_machine(servers):
+def test_commands_need_the_token_when_bound_off_this_machine(servers, monkeypatch):
+    monkeypatch.delenv("KVSCOPE_TOKEN", raising=False)
     server = servers["open"]
-    token = re.search(r"token: (\S+)", server.wait_ready()).group(1)
+    token = server.token
     with RemoteSession(server.address, timeout=10) as anonymous:
-        with pytest.raises(RemoteAccessError, match="takes commands only with the token it printed"):
+        with pytest.raises(RemoteAccessError, match="takes commands only with its token"):
             anonymous.start().result(30)
         with pytest.raises(RemoteAccessError):
             anonymous.subscribe()
@@ -290,7 +306,7 @@ def test_commands_need_the_token_when_bound_off_this_machine(servers):
 def test_killing_the_server_fails_commands_and_the_client_reconnects(servers):
     server = servers["doomed"]
     server.wait_ready()
-    with RemoteSession(server.address, timeout=1.5) as remote:
+    with server.client(timeout=1.5) as remote:
         watcher = Watcher.of(remote)
         remote.add_prompt("soon gone").result(30)
         server.proc.kill()

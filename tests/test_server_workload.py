@@ -104,7 +104,7 @@ def test_an_idle_slot_refuses_a_shift_from_outside():
 
 
 def test_the_server_flags_reach_the_workload(tmp_path):
-    from engine.cli import build_parser, session_settings
+    from engine.llama_flags import build_parser, session_settings
 
     args = build_parser().parse_args(["tui", "--workload", "server", "-np", "3", "-ctxcp", "4", "-cms", "16",
                                       "-sps", "0.5", "--cache-reuse", "8"])

@@ -11,7 +11,8 @@ import torch
 import engine
 from engine import events as ev
 from engine.batch import Batch
-from engine.cli import build_parser, main
+from engine.cli import main
+from engine.llama_flags import build_parser
 from engine.errors import ContextParamsError
 from engine.placement.devices import resolve_gpus
 from engine.sizing.estimate import estimate

@@ -50,10 +50,10 @@ def status_text(app: KvscopeApp) -> str:
 
 
 async def test_the_explorer_drives_a_served_session_and_survives_its_restart(tmp_path):
-    server = Server(tmp_path, "tui", free_port_pair("127.0.0.1", set()))
+    server = Server(tmp_path, "tui", free_port_pair("127.0.0.1", set()), token="the-tui-test-server-s-token")
     try:
         server.wait_ready()
-        remote = RemoteSession(server.address, timeout=5)
+        remote = RemoteSession(server.address, token=server.token, timeout=5)
         app = KvscopeApp(remote_source(remote, label=server.address))
         async with app.run_test(size=(120, 40)) as pilot:
             await pilot.press("p")

@@ -10,7 +10,7 @@ import os
 import shlex
 from collections.abc import Sequence
 
-from engine import cli
+from engine import llama_flags
 from engine.errors import KvscopeError
 from engine.watch.sources import Source, remote_source, replay_source, session_source
 
@@ -45,10 +45,10 @@ def open_source(args: argparse.Namespace, *, demo: bool, threaded: bool = True, 
         return session_source(session, label="demo: the parallel workload on the bundled model")
     from engine.runners.session import Session
 
-    settings, spec = cli.session_settings(args)
+    settings, spec = llama_flags.session_settings(args)
     session = Session(args.model, settings=settings, workload=spec, steps_per_second=args.speed, dtype=args.dtype,
                       threaded=threaded, threads=threads_beside_a_ui() if threaded else None)
-    cli.begin_session(session, args)
+    llama_flags.begin_session(session, args)
     return session_source(session, label=str(args.model))
 
 
@@ -59,7 +59,7 @@ def parse_tui_flags(flags: str | Sequence[str] = ()) -> argparse.Namespace:
     told = io.StringIO()
     try:
         with contextlib.redirect_stderr(told):
-            return cli.build_parser().parse_args(["tui", *words])
+            return llama_flags.build_parser().parse_args(["tui", *words])
     except SystemExit:
         lines = [line for line in told.getvalue().splitlines() if line.strip()]
         raise KvscopeError(f"kvscope tui {' '.join(words)}: {lines[-1] if lines else 'bad flags'}") from None

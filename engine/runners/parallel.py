@@ -63,16 +63,17 @@ from engine.runners.parallel_records import (
     RunSummary,
     StepInfo,
 )
-from engine.runners.parallel_workload import Request, format_prompt, make_schedule
+from engine.runners.parallel_workload import (
+    DEFAULT_SYSTEM_PROMPT,
+    Request,
+    check_system_prompt,
+    format_prompt,
+    make_schedule,
+)
 from engine.sampling import Sampler, SamplerParams
 
 log = logging.getLogger("kvscope.parallel")
 KEPT_RESULTS = 1000  # results an open run (keep_open) keeps, the latest ones
-
-DEFAULT_SYSTEM_PROMPT = (
-    "A conversation between a curious User and a friendly Assistant. The Assistant answers every "
-    "question briefly, clearly and politely.\n\n"
-)
 
 CONTEXT_EXCEEDED = "Context size has been exceeded."
 REVERSE_PROMPT = "User:"  # llama-parallel stops an answer there and cuts it off
@@ -89,13 +90,6 @@ class _Client:
     last_token: int = -1
     sampler: Sampler | None = None
     decoder: object = None
-
-
-def check_system_prompt(system_prompt: str, share_system_prompt: bool) -> None:
-    """A shared system prompt needs text; `kvscope parallel` checks it before loading a model."""
-    if share_system_prompt and not system_prompt:
-        raise KvscopeError("share_system_prompt needs a non-empty system prompt: give one (--system-prompt), or "
-                           "share_system_prompt=False (--no-pps) to have each request decode none")
 
 
 class ParallelRunner:
@@ -464,7 +458,10 @@ class ParallelRunner:
             tail = c.decoder.flush()
             r.text += tail
         r.finished_step, r.t_finished = step, time.perf_counter()
-        with self.ctx.bus.cause(f"the end of request {r.request.id} ({r.stop_reason})"):
+        # the error's own text in the cause: a cell's history then tells why its request ended ("... (error:
+        # Context size has been exceeded.)"), as nothing else that reaches a view says it
+        ended = f"{r.stop_reason}: {r.error}" if r.error else r.stop_reason
+        with self.ctx.bus.cause(f"the end of request {r.request.id} ({ended})"):
             self.ctx.memory.seq_rm(c.seq_id, -1, -1)
             if self.share_system_prompt:
                 self.ctx.memory.seq_cp(0, c.seq_id, -1, -1)

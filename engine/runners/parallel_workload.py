@@ -7,6 +7,11 @@ from dataclasses import dataclass
 
 from engine.errors import KvscopeError
 
+DEFAULT_SYSTEM_PROMPT = (
+    "A conversation between a curious User and a friendly Assistant. The Assistant answers every "
+    "question briefly, clearly and politely.\n\n"
+)
+
 SCHEDULE_SEED = 1234  # llama-parallel calls srand(1234) before drawing its prompts
 
 QUESTIONS: tuple[str, ...] = (
@@ -64,3 +69,10 @@ def make_schedule(n_sequences: int, *, seed: int | None = None, n_predict: int =
             step += rng.randint(0, 2 * arrival_gap)
         requests.append(Request(i, rng.choice(QUESTIONS), rng.randint(lo, n_predict), step))
     return requests
+
+
+def check_system_prompt(system_prompt: str, share_system_prompt: bool) -> None:
+    """A shared system prompt needs text; `kvscope parallel` checks it before loading a model."""
+    if share_system_prompt and not system_prompt:
+        raise KvscopeError("share_system_prompt needs a non-empty system prompt: give one (--system-prompt), or "
+                           "share_system_prompt=False (--no-pps) to have each request decode none")

@@ -5,8 +5,14 @@ socket and frame by frame: engine/watch/protocol.py.
     server = SessionServer(bind="127.0.0.1", port=5590)   # binds now: a taken port fails before a model loads
     session = Session("demo", workload="generate")
     server.start(session)
+    print(server.access_lines())                          # the token clients need, the folders they name files in
     ...
     server.close(); session.close()
+
+Clients are assumed hostile, local ones included: every command carries the token (made up when not
+given, also on 127.0.0.1; none only with no_token on this machine), the files a client names stay in the
+server's folders (engine/runners/served_files.py), a command message over max_message_bytes closes its
+sender's connection (ZeroMQ drops it before it is read) and an uploaded state is capped.
 
 Threads: an I/O thread owns every socket (commands in; replies, events and heartbeats out); an encoder
 thread turns the bus's events into bytes; the session's worker (and a small pool, for the queries that
@@ -31,12 +37,15 @@ import zmq
 
 from engine import events as ev
 from engine.errors import KvscopeError
+from engine.runners import served_files
+from engine.runners.served_files import MAX_STATE_BYTES, ServedFiles
 from engine.watch.codec import CodecError, encode_event
 from engine.watch.protocol import (
     DEFAULT_BIND,
     DEFAULT_PORT,
     HEARTBEAT_INTERVAL,
     PROTOCOL_VERSION,
+    TOKEN_ENV,
     TOPIC_EVENTS,
     TOPIC_HEARTBEAT,
     TOPIC_MARKER,
@@ -46,6 +55,7 @@ from engine.watch.protocol import (
     error_fields,
     is_local,
     pack_value,
+    token_from_environment,
     unpack_value,
 )
 
@@ -55,6 +65,10 @@ EVENTS_PER_MESSAGE = 256  # events batched into one PUB message: one message cos
 BYTES_PER_MESSAGE = 1 << 20
 STREAM_QUEUE = 1 << 16  # events the encoder may fall behind before the stream drops some (and says so)
 SEQ_BYTES = 8
+TOKEN_BYTES = 16  # random bytes of a token the server makes up (22 characters)
+SHORT_TOKEN_CHARS = 16  # a chosen token shorter than this is warned about: easy to guess
+REQUEST_OVERHEAD_BYTES = 64 << 10  # a request beside the state it uploads: the command, its arguments, the token
+SUBSCRIPTION_MAX_BYTES = 256  # what a subscriber sends to the event socket: a topic prefix of a few bytes
 
 # Session methods a client may call; each returns a Future at once.
 SESSION_COMMANDS = ("start", "pause", "stop", "step", "set_speed", "add_prompt", "set_workload", "seq_rm", "seq_cp",
@@ -65,14 +79,26 @@ SESSION_COMMANDS = ("start", "pause", "stop", "step", "set_speed", "add_prompt",
 class SessionServer:
     """Serves one Session to RemoteSession clients (see the module docstring)."""
 
-    def __init__(self, bind: str = DEFAULT_BIND, port: int = DEFAULT_PORT, token: str | None = None) -> None:
+    def __init__(self, bind: str = DEFAULT_BIND, port: int = DEFAULT_PORT, token: str | None = None, *,
+                 no_token: bool = False, state_dir: str | os.PathLike | None = None,
+                 models_dir: str | os.PathLike | None = None, max_state_bytes: int = MAX_STATE_BYTES) -> None:
         """bind: the interface to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface);
-        commands on `port`, events on port + 1. token: what every command must carry; required (and made
-        up when not given) when bound to anything but this machine."""
+        commands on `port`, events on port + 1. token: what every command must carry (None: KVSCOPE_TOKEN,
+        else a random one; see access_lines). no_token: commands need none; refused unless bound to this
+        machine only, and logged as a warning. state_dir: the folder of the files save_state, load_state and
+        a chat script name (None: kvscope-state/ in the current folder, made on first use); models_dir: the
+        folder load_model takes names in (None: only the bundled "demo"); both must exist.
+        max_state_bytes: the largest state a client may upload; a command message may be
+        REQUEST_OVERHEAD_BYTES larger (max_message_bytes), and ZeroMQ disconnects a client that sends more."""
         self.bind, self.port = check_bind(bind), check_port(port)
-        if token is not None and (not isinstance(token, str) or not token.strip()):
-            raise KvscopeError(f"--token must be a non-empty text, got {token!r}: leave it out to get a random one")
-        self.token = token if token is not None or is_local(bind) else secrets.token_urlsafe(16)
+        self.token = chosen_token(token, no_token, self.bind)
+        self._queries = ThreadPoolExecutor(2, thread_name_prefix="kvscope-serve-query")  # its threads start on use
+        self.files = ServedFiles(state_dir=state_dir, models_dir=models_dir, max_state_bytes=max_state_bytes,
+                                 pool=self._queries)
+        self.max_message_bytes = max_state_bytes + REQUEST_OVERHEAD_BYTES
+        if no_token:
+            log.warning("kvscope serve: --no-token: every user of this machine can drive this session, and save and "
+                        "load states in %s; leave --no-token out to require the printed token", self.state_dir)
         self.instance = os.urandom(8)  # tells clients that a restarted server is another one
         self.session = None
         self.commands = self.refused = self.events_sent = 0
@@ -93,7 +119,6 @@ class SessionServer:
         self._outbox.setsockopt(zmq.SNDHWM, 0)
         self._outbox.connect(inbox_address)
         self._outbox_lock = threading.Lock()
-        self._queries = ThreadPoolExecutor(2, thread_name_prefix="kvscope-serve-query")
         self._stream: ev.Subscription | None = None
         self._threads: list[threading.Thread] = []
         self._stamp = 0  # statuses sent, in the order they were read
@@ -105,6 +130,27 @@ class SessionServer:
     def serving(self) -> bool:
         """Whether the I/O thread runs (started, not stopped, not failed)."""
         return bool(self._threads) and self._threads[0].is_alive()
+
+    @property
+    def state_dir(self):
+        """The folder save_state and load_state take names in (a pathlib.Path; it may not exist yet)."""
+        return self.files.states.root
+
+    @property
+    def models_dir(self):
+        """The folder load_model takes names in; None: only the bundled "demo"."""
+        return None if self.files.models is None else self.files.models.root
+
+    def access_lines(self) -> list[str]:
+        """What a client needs to know, for the server's banner: the token (or that there is none), where
+        the files it names are, and what the token does not cover."""
+        if self.token is None:
+            access = "no token (--no-token): every user of this machine can send commands"
+        else:
+            access = f"token: {self.token}"
+        events = (f"events: {self.event_address} asks for no token, and nothing is encrypted: whoever reaches that "
+                  f"port reads the prompts and the generated text (from another machine: tunnel it, ssh -L)")
+        return [access, *self.files.summary(), events]
 
     @property
     def command_address(self) -> str:
@@ -160,6 +206,9 @@ class SessionServer:
     def _bound(self, kind: int, port: int) -> zmq.Socket:
         sock = self._zmq.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        # Checked by ZeroMQ as the bytes arrive, before any token is: a client cannot make the server
+        # hold more than this for one frame (it is disconnected instead).
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes if kind == zmq.ROUTER else SUBSCRIPTION_MAX_BYTES)
         # ZMTP heartbeats: a client machine that vanished without closing its connection is noticed
         sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
@@ -199,8 +248,7 @@ class SessionServer:
         drain(self._inbox, self._on_inbox, "kvscope serve", copy=False)
 
     def _drain_router(self) -> None:
-        drain(self._router, lambda frames: self._on_request(frames[0], frames[-1] if len(frames) > 1 else b""),
-              "kvscope serve")
+        drain(self._router, lambda frames: self._on_request(frames[0], frames[1:]), "kvscope serve")
 
     def _on_inbox(self, frames: list) -> None:
         what = frames[0].bytes
@@ -212,18 +260,20 @@ class SessionServer:
             req_id, error = unpack_value(frames[2].bytes)
             self._reply(frames[1].bytes, req_id, frames[3], error)
 
-    def _on_request(self, identity: bytes, body: bytes) -> None:
+    def _on_request(self, identity: bytes, frames: list[bytes]) -> None:
         self.commands += 1
         req_id = -1
+        trusted = False  # the session's status goes only to a client that gave the token
         try:
-            request = checked_request(body)
+            request = checked_request(frames)
             req_id = request["id"]
             self._check_access(request)
+            trusted = True
             future = self._dispatch(request["cmd"], request["args"], request["kwargs"])
         except Exception as e:  # noqa: BLE001 - every refusal and synchronous error goes back to the client
             if isinstance(e, RemoteAccessError):
                 self.refused += 1
-            self._reply(identity, req_id, b"", error_fields(e), with_status=not isinstance(e, RemoteAccessError))
+            self._reply(identity, req_id, b"", error_fields(e), with_status=trusted)
             return
         future.add_done_callback(functools.partial(self._post_reply, identity, req_id))
 
@@ -235,9 +285,10 @@ class SessionServer:
             return
         given = request["token"]
         if given is None:
-            raise RemoteAccessError(f"refused {request['cmd']}: this server (listening on {self.bind}) takes commands "
-                                    f"only with the token it printed when it started; pass it as "
-                                    f"RemoteSession(address, token=...)")
+            raise RemoteAccessError(f"refused {request['cmd']}: this server takes commands only with its token, which "
+                                    f"`kvscope serve` printed when it started (the line \"token: ...\"); pass it as "
+                                    f"RemoteSession(address, token=...) or `kvscope tui --connect ADDRESS --token T`, "
+                                    f"or set {TOKEN_ENV} (which a command line does not show to other users)")
         if not hmac.compare_digest(str(given).encode(), self.token.encode()):
             raise RemoteAccessError(f"refused {request['cmd']}: wrong token; use the one `kvscope serve` printed "
                                     f"when it started")
@@ -252,8 +303,8 @@ class SessionServer:
             return self._queries.submit(QUERIES[cmd], self.session, *args, **kwargs)
         if cmd == "engine_cells":
             return engine_cells(self.session)
-        if cmd == "set_workload":
-            return set_workload(self.session, *args, **kwargs)
+        if cmd in served_files.COMMANDS:  # the ones that name files or carry a state
+            return getattr(self.files, cmd)(self.session, *args, **kwargs)
         if cmd in SESSION_COMMANDS:
             return getattr(self.session, cmd)(*args, **kwargs)
         known = sorted({*SESSION_COMMANDS, *QUERIES, "engine_cells", "status", "sync"})
@@ -269,7 +320,7 @@ class SessionServer:
     def _heartbeat(self, closing: bool = False) -> None:
         status, stamp = self._status()
         beat = {"v": PROTOCOL_VERSION, "status": status, "stamp": stamp, "last_seq": self._last_seq,
-                "closing": closing}
+                "closing": closing, "max_message_bytes": self.max_message_bytes}
         self._pub.send_multipart([TOPIC_HEARTBEAT, self.instance, pack_value(beat)])
 
     def _status(self):
@@ -340,27 +391,17 @@ def engine_cells(session) -> Future:
     return session.engine_cells()
 
 
-def set_workload(session, workload, **options) -> Future:
-    """Session.set_workload from plain values: a workload given as a map (a WorkloadSpec's fields), and
-    a sampler as a map of SamplerParams' fields."""
-    from engine.sampling import SamplerParams
-
-    if isinstance(workload, dict):
-        options = {**workload, **options}
-        workload = options.pop("kind", "idle")
-    if isinstance(options.get("sampler"), dict):
-        options["sampler"] = SamplerParams(**options["sampler"])
-    return session.set_workload(workload, **options)
-
-
 def _done(value) -> Future:
     future: Future = Future()
     future.set_result(value)
     return future
 
 
-def checked_request(body: bytes) -> dict:
-    request = unpack_value(body)
+def checked_request(frames: list[bytes]) -> dict:
+    if len(frames) != 1:
+        raise RemoteSessionError(f"a request is one frame, got {len(frames)}: is the client a kvscope RemoteSession "
+                                 f"of protocol {PROTOCOL_VERSION}?")
+    request = unpack_value(frames[0])
     if not isinstance(request, dict):
         raise RemoteSessionError(f"a request must be a map, got {type(request).__name__}")
     shape = {"v": int, "id": int, "cmd": str, "args": list, "kwargs": dict}
@@ -370,6 +411,26 @@ def checked_request(body: bytes) -> dict:
                                  f"kvscope RemoteSession of protocol {PROTOCOL_VERSION}?")
     request.setdefault("token", None)
     return request
+
+
+def chosen_token(token: str | None, no_token: bool, bind: str) -> str | None:
+    """The token a server asks for: the given one, else KVSCOPE_TOKEN's, else a random one; None only with
+    no_token, which a server that listens beyond this machine refuses."""
+    if no_token:
+        if token is not None:
+            raise KvscopeError("--token and --no-token contradict each other: give one of them")
+        if not is_local(bind):
+            raise KvscopeError(f"--no-token only with --bind 127.0.0.1 (or ::1, localhost): this machine only, got "
+                               f"--bind {bind}; off this machine every command needs the token")
+        return None
+    if token is None:
+        return token_from_environment() or secrets.token_urlsafe(TOKEN_BYTES)
+    if not isinstance(token, str) or not token.strip():
+        raise KvscopeError(f"--token must be a non-empty text, got {token!r}: leave it out to get a random one")
+    if len(token) < SHORT_TOKEN_CHARS:
+        log.warning("kvscope serve: a token of %d characters is easy to guess; leave --token out to get a random "
+                    "one", len(token))
+    return token
 
 
 def check_bind(bind: str) -> str:

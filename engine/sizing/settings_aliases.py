@@ -11,7 +11,6 @@ from collections.abc import Sequence
 
 from engine.errors import ContextParamsError
 from engine.kv.cells import MAX_SEQ
-from engine.kv.types import cache_type
 from engine.models.config import ModelConfig
 
 LIBRARY_N_CTX = 512  # llama_context_default_params' n_ctx (the commands default to 0: n_ctx_train)
@@ -52,6 +51,9 @@ def _check_sizes(n_ctx: int, n_batch: int, n_ubatch: int, pad: int) -> None:
 
 
 def _check_cache_types(type_k: str, type_v: str, flash_attn: str, head_dims: Sequence[int]) -> None:
+    # torch: imported when a check runs, not when flags are parsed
+    from engine.kv.types import cache_type
+
     ctype_k, ctype_v = cache_type(type_k), cache_type(type_v)
     # llama_init_from_model: quantized V needs flash attention (V is then not transposed)
     if ctype_v.is_quantized and flash_attn == "off":

@@ -13,10 +13,15 @@ A server has two ZeroMQ sockets on one host, PORT and PORT + 1:
                                              (the framing of recordings)
       [b"em", instance, nonce]               the answer to a "sync" command (its nonce)
       [b"hb", instance, pack_value(map)]     a heartbeat every HEARTBEAT_INTERVAL s: {"v", "status", "stamp",
-                                             "last_seq" (the last event sent), "closing" (the server stops)}
+                                             "last_seq" (the last event sent), "closing" (the server stops),
+                                             "max_message_bytes" (the largest command it takes)}
   "ev" and "em" share the prefix b"e", so one subscription gets both: a client that sees the marker of
   its own sync command knows that its subscription reached the server, and that every event published
   from then on reaches it (PUB/SUB's slow-joiner problem).
+
+Every command carries the server's token (made up at start, or KVSCOPE_TOKEN; none only with
+--no-token on this machine); a command message over the server's limit closes the sender's connection
+(ZeroMQ's MAXMSGSIZE). The event socket asks for no token and nothing is encrypted: see the README.
 
 `instance` is 8 random bytes per server process: a client that sees another one knows the server
 restarted (its seq_no count starts again). `stamp` counts the statuses the server sent, in the order it
@@ -27,6 +32,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any, Callable
@@ -44,6 +50,7 @@ PROTOCOL_VERSION = 1
 DEFAULT_PORT = 5590  # commands; events on DEFAULT_PORT + 1
 DEFAULT_BIND = "127.0.0.1"
 LOCAL_BINDS = ("127.0.0.1", "localhost", "::1")
+TOKEN_ENV = "KVSCOPE_TOKEN"  # the token, for a server and its clients, out of sight of `ps`
 HEARTBEAT_INTERVAL = 0.25  # seconds between two heartbeats of a server
 DISCONNECTED_AFTER = 2.0  # seconds without a heartbeat after which a client says "disconnected"
 TOPIC_EVENTS, TOPIC_MARKER, TOPIC_HEARTBEAT = b"ev", b"em", b"hb"
@@ -58,6 +65,11 @@ class RemoteSessionError(KvscopeError):
 
 class RemoteAccessError(RemoteSessionError):
     """The server refused a command: it needs the token it printed when it started."""
+
+
+class PathRefusedError(KvscopeError):
+    """A server refused a file name a client gave: absolute, with '..', leading out of the folder the
+    server was given for such files by a symbolic link, or naming no file it may use."""
 
 
 class RemoteCommandError(KvscopeError):
@@ -181,6 +193,12 @@ def rebuild_error(type_name: str, message: str) -> Exception:
             except TypeError:  # an exception class whose constructor takes other arguments
                 break
     return RemoteCommandError(type_name, message)
+
+
+def token_from_environment() -> str | None:
+    """The token in KVSCOPE_TOKEN, or None when it is unset or blank."""
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    return token or None
 
 
 def is_local(bind: str) -> bool:

@@ -45,6 +45,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from engine import events as ev
+from engine.watch import lifetime
 from engine.watch.codec import CodecError, decode_event
 from engine.watch.protocol import (
     DEFAULT_PORT,
@@ -55,6 +56,7 @@ from engine.watch.protocol import (
     TOPIC_EVENTS,
     TOPIC_HEARTBEAT,
     TOPIC_MARKER,
+    PathRefusedError,
     RemoteAccessError,
     RemoteCommandError,
     RemoteSessionError,
@@ -63,11 +65,12 @@ from engine.watch.protocol import (
     drain,
     pack_value,
     rebuild_error,
+    token_from_environment,
     unpack_value,
 )
 
-__all__ = ["RemoteAccessError", "RemoteCommandError", "RemoteSession", "RemoteSessionError", "RemoteSubscription",
-           "Status", "StepOutcome"]
+__all__ = ["PathRefusedError", "RemoteAccessError", "RemoteCommandError", "RemoteSession", "RemoteSessionError",
+           "RemoteSubscription", "Status", "StepOutcome"]
 
 log = logging.getLogger("kvscope.remote")
 
@@ -149,8 +152,8 @@ class RemoteSession:
     def __init__(self, address: str = f"tcp://127.0.0.1:{DEFAULT_PORT}", *, token: str | None = None,
                  timeout: float = DEFAULT_TIMEOUT) -> None:
         """address: the command address `kvscope serve` printed (events come from the port after it);
-        token: the one it printed, when it listens on more than this machine; timeout: seconds of silence
-        from the server after which a command fails."""
+        token: the one it printed (None: the KVSCOPE_TOKEN environment variable's, if set); timeout: seconds
+        of silence from the server after which a command fails."""
         host, port = parse_address(address)
         if token is not None and not isinstance(token, str):
             raise RemoteSessionError(f"token must be a str (what `kvscope serve` printed), got {type(token).__name__}")
@@ -158,10 +161,11 @@ class RemoteSession:
             raise RemoteSessionError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         self.address = f"tcp://{host}:{port}"
         self.events_address = f"tcp://{host}:{port + 1}"
-        self.token = token
+        self.token = token if token is not None else token_from_environment()
         self.timeout = float(timeout)
         self._ids = itertools.count(1)
         self._link = _Link(self.address, self.events_address, float(timeout), self._request_body)
+        lifetime.close_at_exit(self, lifetime.SESSIONS)
 
     # ---- what a front-end reads ------------------------------------------------------------------
     def status(self) -> Status:
@@ -276,6 +280,7 @@ class RemoteSession:
     def close(self) -> None:
         """Disconnect (the server goes on); pending commands fail, subscriptions end."""
         self._link.close()
+        lifetime.discard(self)
 
     def __enter__(self) -> RemoteSession:
         return self
@@ -291,6 +296,12 @@ class RemoteSession:
         self._check_open(cmd)
         future: Future = Future()
         req_id, body = self._request_body(cmd, [_plain(a) for a in args], {k: _plain(v) for k, v in kwargs.items()})
+        limit = self._link.max_message_bytes
+        if limit is not None and len(body) > limit:  # the server's ZeroMQ would drop the connection instead
+            future.set_exception(RemoteSessionError(
+                f"{cmd}: the request is {len(body)} bytes; the server at {self.address} takes messages of at most "
+                f"{limit} bytes (a state of that size: save it in the server's state folder and load it by name)"))
+            return future
         self._link.run(lambda: self._link.send(req_id, cmd, body, _resolver(future)))
         return future
 
@@ -382,6 +393,7 @@ class _Link:
         self._status: Status | None = None
         self._stamp = -1
         self._announce = False  # tell the subscriptions the server's status when it next comes
+        self.max_message_bytes: int | None = None  # the largest command the server takes, from its heartbeats
         # the event stream
         self._events_on = False
         self._synced: bytes | None = None  # the server whose sync marker came: its events all reach us
@@ -662,6 +674,7 @@ class _Link:
                 if instance == self.instance:
                     self._lost(f"the server at {self.address} stopped")
             elif self._heard(instance):
+                self.max_message_bytes = beat.get("max_message_bytes")
                 self._take_status(beat["status"], beat["stamp"])
                 self._check_tail(beat["last_seq"])
         elif topic == TOPIC_MARKER:

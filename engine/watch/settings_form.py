@@ -3,15 +3,18 @@ field's text becomes a setting (a bad value raises ValueError naming the field),
 memory they would take, written as both explorers show it before the settings are applied."""
 from __future__ import annotations
 
-SETTINGS = (  # name, kind, what it is (llama.cpp's flag)
-    ("n_ctx", int, "cells in all (-c)"), ("pad", int, "padding of sizes (llama.cpp: 256)"),
-    ("n_seq_max", int, "sequences (-np)"), ("kv_unified", bool, "one stream for all (-kvu)"),
-    ("type_k", str, "K cache type (-ctk)"), ("type_v", str, "V cache type (-ctv)"),
-    ("swa_full", bool, "full-size SWA cache (--swa-full)"), ("swa_window", int, "sliding window (--swa-window)"),
-    ("n_gpu_layers", int, "layers offloaded (-ngl)"), ("tensor_split", list, "split across GPUs (-ts 3,1)"),
-    ("offload_kqv", bool, "K/V on the layers' devices (off: -nkvo)"),
-    ("devices", list, "virtual GPUs (VGPU0=2GiB,VGPU1=1GiB)"),
-)
+from engine.llama_flags import SETTING_FLAGS
+
+# name, kind, what it is ({flag}: the llama.cpp flag that sets it)
+SETTINGS = tuple((name, kind, what.format(flag=SETTING_FLAGS[name])) for name, kind, what in (
+    ("n_ctx", int, "cells in all ({flag})"), ("pad", int, "padding of sizes (llama.cpp: 256)"),
+    ("n_seq_max", int, "sequences ({flag})"), ("kv_unified", bool, "one stream for all ({flag})"),
+    ("type_k", str, "K cache type ({flag})"), ("type_v", str, "V cache type ({flag})"),
+    ("swa_full", bool, "full-size SWA cache ({flag})"), ("swa_window", int, "sliding window ({flag})"),
+    ("n_gpu_layers", int, "layers offloaded ({flag})"), ("tensor_split", list, "split across GPUs ({flag} 3,1)"),
+    ("offload_kqv", bool, "K/V on the layers' devices (off: {flag})"),
+    ("devices", list, "virtual GPUs ({flag} VGPU0=2GiB,VGPU1=1GiB)"),
+))
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
