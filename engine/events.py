@@ -33,12 +33,21 @@ def _frozen_array(values, dtype=np.int64) -> np.ndarray:
     return arr
 
 
+def _frozen_fresh(arr: np.ndarray, dtype=np.int64) -> np.ndarray:
+    """An array only its caller holds (a fancy-indexed copy, a packbits result), made read-only in place:
+    the copy _frozen_array makes would be the second one (events are built on the decode's thread)."""
+    if arr.dtype != dtype or not arr.flags.owndata:
+        return _frozen_array(arr, dtype)
+    arr.flags.writeable = False
+    return arr
+
+
 SEQ_BITS_BYTES = 32  # a cell's sequence bitset: LLAMA_MAX_SEQ = 256 bits
 
 
 def pack_seq_bits(seq_matrix: np.ndarray) -> np.ndarray:
     """(MAX_SEQ, n) bool -> (n, MAX_SEQ // 8) uint8, one bitset row per cell."""
-    return _frozen_array(np.packbits(seq_matrix.T, axis=1, bitorder="little"), np.uint8)
+    return _frozen_fresh(np.packbits(seq_matrix.T, axis=1, bitorder="little"), np.uint8)
 
 
 def unpack_seq_bits(bits: np.ndarray) -> np.ndarray:
@@ -508,6 +517,7 @@ class Subscription:
         self._maxsize = maxsize
         self._kinds = kinds
         self._cond = threading.Condition()
+        self._waiting = 0  # readers blocked in get(): only they need a notify (a Python-level call per event)
         self._missed = 0
         self._missed_first = -1
         self._missed_last = -1
@@ -538,13 +548,18 @@ class Subscription:
                 self._queue.append(notice)
                 self._missed, self._missed_first, self._missed_last = 0, -1, -1
             self._queue.append(event)
-            self._cond.notify()
+            if self._waiting:
+                self._cond.notify()
 
     def get(self, timeout: float | None = None) -> Event | None:
         """Next event, waiting up to `timeout` seconds (None: forever); None on timeout/close."""
         with self._cond:
             if not self._queue and not self.closed:
-                self._cond.wait(timeout)
+                self._waiting += 1
+                try:
+                    self._cond.wait(timeout)
+                finally:
+                    self._waiting -= 1
             return self._queue.popleft() if self._queue else None
 
     def drain(self) -> list[Event]:

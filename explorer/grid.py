@@ -23,7 +23,7 @@ from engine import events as ev
 from engine.watch import style
 from engine.watch.attention import AttentionWatch
 from engine.watch.describe import cache_title
-from engine.watch.frames import EMPTY, SHARED, Frame, StreamFrame
+from engine.watch.frames import EMPTY, SHARED, Frame, FrameReader, StreamFrame
 from engine.watch.visibility import CellVisibility, SequenceVisibility, visibility
 from engine.watch.watcher import Watcher
 from explorer.view import WatcherView
@@ -71,6 +71,9 @@ class CellGrid(WatcherView):
         lay the selected sequence's attention over the grid (attention_layer: one model layer's, None:
         the mean over the layers of each cache)."""
         self.watcher, self.columns, self.dark = watcher, columns, dark
+        # this grid's own marks (other views of the watcher keep theirs), from whichever watcher it shows now:
+        # a timeline swaps in its replay's and back
+        self._frames = FrameReader(lambda: self.watcher.frames)
         self.figure = go.FigureWidget() if widget else go.Figure()
         self.widget = self.figure
         self._lanes: tuple[tuple[str, int, int], ...] = ()  # (cache, stream, size) the figure is laid out for
@@ -107,7 +110,7 @@ class CellGrid(WatcherView):
         """Apply what arrived, then redraw: the figure's layout only when the caches changed shape."""
         self.watcher.poll()
         new_attention = self._read_attention()
-        frame = self.watcher.frame()
+        frame = self._frames.frame()
         lanes = tuple((sf.cache, sf.stream, sf.size) for sf in frame.streams)
         laid_out = lanes != self._lanes
         if laid_out:

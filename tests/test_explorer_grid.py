@@ -119,8 +119,9 @@ def test_cells_a_quirk_touched_are_marked_until_the_next_update():
     from engine import events as ev
     from explorer.grid import QUIRK
 
-    # with split streams the dry run's rollback restores heads in a way llama.cpp's code does (a QUIRK)
-    settings = dict(n_ctx=1280, pad=64, n_seq_max=5, kv_unified=False, swa_window=16)
+    # with split streams the dry run's rollback restores heads in a way llama.cpp's code does (a QUIRK),
+    # which lasts when a later ubatch of the decode finds no cell: small streams, small ubatches
+    settings = dict(n_ctx=320, pad=64, n_seq_max=5, kv_unified=False, swa_window=16, n_ubatch=8)
     with Session("demo", settings=settings, threaded=False, workload=WorkloadSpec(
             "parallel", n_clients=4, n_sequences=40, n_predict=30, sampler=SamplerParams(temperature=0.0, seed=1))) \
             as session:

@@ -108,3 +108,46 @@ def test_a_poll_with_a_time_budget_keeps_the_rest_in_order_for_the_next():
     assert polls > 3
     assert_frame_is_the_engine(watcher, ctx)
     assert watcher.history.lines("kv", 0, 23)[0] == "freed by seq_rm after decode 11"  # cell 23: seq 1, pos 11
+
+
+def test_views_sharing_a_watcher_each_see_every_change_and_quirk():
+    """One view's frame must not consume the marks another view of the same watcher has not drawn yet."""
+    bus = engine.EventBus()
+    watcher = Watcher(bus.subscribe())
+    grid, inset = watcher.frame_reader(), watcher.frame_reader()
+    ctx = engine.Context(in_memory_model(), n_ctx=8, pad=4, n_seq_max=2, kv_unified=False, n_ubatch=1,
+                         type_k="f32", type_v="f32", bus=bus)
+    assert ctx.decode(Batch([5, 6], [0, 1], [[0], [0]])) == 0
+    assert ctx.decode(Batch([5, 6, 7], [0, 1, 2], [[1]] * 3)) == 0
+    watcher.poll()
+    grid.frame(), inset.frame()
+    assert ctx.decode(Batch([8, 9], [3, 4], [[1]] * 2)) == 1  # rolled back with the QUIRK
+    ctx.memory.seq_rm(0, 1, -1)
+    watcher.poll()
+    first = grid.frame()
+    assert first.stream("kv", 1).quirk.tolist() == [False, False, False, True]
+    assert first.stream("kv", 0).changed.tolist() == [False, True, False, False]
+    second = inset.frame()  # taken after the grid's: the same marks
+    for a, b in zip(first.streams, second.streams):
+        assert np.array_equal(a.changed, b.changed) and np.array_equal(a.quirk, b.quirk)
+        assert np.array_equal(a.tentative, b.tentative)
+    again = grid.frame()  # nothing since the grid's own previous frame
+    assert not any(s.changed.any() or s.quirk.any() for s in again.streams)
+
+
+def test_a_new_view_marks_only_the_cells_a_quirk_touched():
+    """A reader's first frame (a view opened late, or after a resync) marks the QUIRK's cells, not every cell."""
+    bus = engine.EventBus()
+    ctx = engine.Context(in_memory_model(), n_ctx=8, pad=4, n_seq_max=2, kv_unified=False, n_ubatch=1,
+                         type_k="f32", type_v="f32", bus=bus)
+    assert ctx.decode(Batch([5, 6], [0, 1], [[0], [0]])) == 0
+    assert ctx.decode(Batch([5, 6, 7], [0, 1, 2], [[1]] * 3)) == 0
+    from_state = Watcher.of(_Source(ctx))
+    from_state.poll()
+    assert not any(s.quirk.any() for s in from_state.frame_reader().frame().streams)  # a state holds no event
+    watcher = Watcher(bus.subscribe())
+    assert ctx.decode(Batch([8, 9], [3, 4], [[1]] * 2)) == 1
+    watcher.poll()
+    late = watcher.frame_reader().frame()
+    assert late.stream("kv", 1).quirk.tolist() == [False, False, False, True]
+    assert not late.stream("kv", 0).quirk.any()

@@ -18,6 +18,7 @@ import msgpack
 import numpy as np
 import pytest
 
+import engine
 from engine import events as ev
 from engine.errors import KvscopeError
 from engine.runners.session import Session
@@ -79,6 +80,21 @@ def live_state(watcher: Watcher) -> LiveState:
                      status_of(watcher))
 
 
+def fail_a_decode_after_its_first_ubatch(session: Session, seq_id: int) -> None:
+    """seq_id (no client's) fills its stream but for one ubatch, then sends two: the dry run places the
+    first and finds no cell for the second, so the rollback restores the stream's head from another
+    stream's (QUIRK_DRY_RUN_HEADS) and the decode returns 1. Then seq_id is removed."""
+    ctx = session.ctx
+    size, n_ubatch = ctx.memory.base.size, ctx.params.n_ubatch
+    tokens = [5 + p % 40 for p in range(size + n_ubatch)]
+    for p0 in range(0, size - n_ubatch, n_ubatch):
+        assert ctx.decode(engine.Batch(tokens[p0:p0 + n_ubatch], list(range(p0, p0 + n_ubatch)),
+                                       [[seq_id]] * n_ubatch)) == 0
+    p0 = size - n_ubatch
+    assert ctx.decode(engine.Batch(tokens[p0:], list(range(p0, p0 + 2 * n_ubatch)), [[seq_id]] * 2 * n_ubatch)) == 1
+    session.seq_rm(seq_id).result()
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Run:
     """The demo model (an iSWA pair) with split streams running llama.cpp's parallel example, a context shift
@@ -87,8 +103,8 @@ def run(tmp_path_factory) -> Run:
     path = tmp_path_factory.mktemp("replay") / "parallel.kvtrace"
     spec = WorkloadSpec("parallel", n_clients=4, n_sequences=8, n_predict=24, arrival_gap=1,
                         sampler=SamplerParams(temperature=0.0, seed=1))
-    session = Session("demo", settings=dict(n_ctx=1280, pad=32, n_seq_max=5, kv_unified=False, n_batch=64,
-                                            swa_full=True), workload=spec, threaded=False)
+    session = Session("demo", settings=dict(n_ctx=1536, pad=32, n_seq_max=6, kv_unified=False, n_batch=64,
+                                            n_ubatch=32, swa_full=True), workload=spec, threaded=False)
     try:
         live = Watcher.of(session, recent=1 << 20)
         recorder = Recorder(path, keyframe_every=KEYFRAME_EVERY)
@@ -101,6 +117,7 @@ def run(tmp_path_factory) -> Run:
             if step == FAIL_AT_STEP:
                 with pytest.raises(KvscopeError):
                     session.seq_rm(99).result()
+                fail_a_decode_after_its_first_ubatch(session, seq_id=5)
             done = session.step(1).result()
             recorder.pump()
             live.poll()

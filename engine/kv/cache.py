@@ -416,7 +416,11 @@ class KVCache:
 
         The heads are restored as llama.cpp restores them (QUIRK_DRY_RUN_HEADS): a stream touched by a
         ubatch gets back the old head at that stream's INDEX within the ubatch's slot, which is another
-        stream's head whenever the index and the stream id differ (split streams)."""
+        stream's head whenever the index and the stream id differ (split streams). The rollback carries
+        the QUIRK's text only when the dry run failed: after a successful one, applying its slots sets
+        the head of every stream it restored, so the wrong head never outlives the decode (marking it
+        there marked nearly every decode of a split-stream run). One case stays unmarked: a decode
+        aborted between two ubatches leaves the later ubatches' streams with their wrong heads."""
         heads_before = list(self.v_heads)
         saved, slots = [], []
         for k, ub in enumerate(ubatches):
@@ -427,6 +431,7 @@ class KVCache:
             saved.append((snaps, list(self.v_heads)))
             self.apply_ubatch(sinfo, ub, ubatch_index=k, tentative=True)
             slots.append(sinfo)
+        failed = len(slots) != len(ubatches)
         restored: dict[int, set[int]] = {}
         for snaps, heads_old in reversed(saved):
             for s, (stream, snap) in enumerate(snaps):
@@ -435,11 +440,11 @@ class KVCache:
                 self.v_heads[stream] = heads_old[s]  # llama.cpp: v_heads[strm[s]] = v_heads_old[s]
         if restored:
             changes = [self._stream_cells(s, np.array(sorted(i), dtype=np.int64)) for s, i in sorted(restored.items())]
-            moved = [s for s in restored if self.v_heads[s] != heads_before[s]]
+            moved = [s for s in restored if self.v_heads[s] != heads_before[s]] if failed else []
             quirk = QUIRK_DRY_RUN_HEADS.format(streams=", ".join(
                 f"stream {s}: {heads_before[s]} -> {self.v_heads[s]}" for s in moved)) if moved else ""
             self._publish(ev.SlotsRolledBack, changes, tentative=True, quirk=quirk)
-        return slots if len(slots) == len(ubatches) else None
+        return None if failed else slots
 
     # ---- update: stream copies and K-shift -------------------------------------------------
     def update(self) -> bool:
@@ -473,7 +478,7 @@ class KVCache:
                     # Quantized K: dequantized, re-roped in f32, quantized again (as llama.cpp).
                     keys = k.read_cells(s, cell_idx).view(-1, lo.n_head_kv, lo.head_dim)
                     k.write(stream_idx, cell_idx, self._key_shifter(il, keys, delta).reshape(len(idxs), -1))
-            amounts.append(ev._frozen_array(cells.shift[idxs]))  # one per change, empty for an unshifted stream
+            amounts.append(ev._frozen_fresh(cells.shift[idxs]))  # one per change, empty for an unshifted stream
             cells.reset_shift()
             changes.append(self._stream_cells(s, idxs))
         self._publish(ev.KShiftApplied, changes, amounts=tuple(amounts), n_layers=len(self.k))
@@ -496,8 +501,8 @@ class KVCache:
     def _cells_record(self, stream: int, idxs: np.ndarray) -> ev.StreamCells:
         cells = self.v_cells[stream]
         idxs = np.asarray(idxs, dtype=np.int64)
-        return ev.StreamCells(stream, ev._frozen_array(idxs), ev._frozen_array(cells.pos[idxs]),
-                              ev._frozen_array(cells.shift[idxs]), ev.pack_seq_bits(cells.seq[:, idxs]),
+        return ev.StreamCells(stream, ev._frozen_array(idxs), ev._frozen_fresh(cells.pos[idxs]),
+                              ev._frozen_fresh(cells.shift[idxs]), ev.pack_seq_bits(cells.seq[:, idxs]),
                               self.v_heads[stream])
 
     def _publish(self, kind: type, changes: list, **fields) -> None:

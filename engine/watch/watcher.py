@@ -15,7 +15,7 @@ from typing import Callable
 
 from engine import events as ev
 from engine.errors import KvscopeError
-from engine.watch.frames import Frame, FrameSource
+from engine.watch.frames import Frame, FrameReader, FrameSource
 from engine.watch.history import CellHistory
 from engine.watch.mirror import CacheMirror
 from engine.watch.server_slots import SERVER_EVENTS, ServerSlots
@@ -38,6 +38,7 @@ class Watcher:
         self.current_state = current_state
         self.mirror = CacheMirror()
         self.frames = FrameSource(self.mirror)
+        self._frame_reader = self.frame_reader()
         self.history = CellHistory(history_depth)
         self.server = ServerSlots()  # a server simulation's slots (empty for other workloads)
         self.recent: collections.deque[ev.Event] = collections.deque(maxlen=recent)  # for the event log
@@ -151,8 +152,15 @@ class Watcher:
             self.last_error = event
 
     def frame(self) -> Frame:
-        """Every cache stream as a view draws it, and the cells changed since the previous frame."""
-        return self.frames.frame()
+        """Every cache stream as a view draws it, and the cells changed since the previous call: for a
+        watcher shown by one view. Views that share a watcher take a frame_reader() each."""
+        return self._frame_reader.frame()
+
+    def frame_reader(self) -> FrameReader:
+        """Frames for one more view of this watcher: its changed, tentative and QUIRK marks count from its
+        own previous frame, whichever views take frames in between. It follows the watcher's frame
+        source across resyncs (and a replay's rebuilds)."""
+        return FrameReader(lambda: self.frames)
 
     def _resync(self) -> None:
         if self.current_state is None:
