@@ -2,17 +2,24 @@
 the help screen say, the grid shows the engine's cells, and a bad value is told, never a crash."""
 from __future__ import annotations
 
+import io
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from rich.cells import cell_len
+from rich.console import Console
 
+from engine import events as ev
 from engine.runners.session import Session
 from engine.runners.workloads import WorkloadSpec
 from engine.sampling import SamplerParams
 from engine.watch.frames import EMPTY, SHARED
-from engine.watch.sources import session_source
+from engine.watch.recorder import Recorder
+from engine.watch.recording import RecordingReader
+from engine.watch.sources import replay_source, session_source
 from tui.app import KvscopeApp
 from tui.grid import CellGrid
 from tui.screens import HelpScreen, PromptScreen, SettingsScreen
@@ -20,6 +27,8 @@ from tui.screens import HelpScreen, PromptScreen, SettingsScreen
 pytestmark = pytest.mark.anyio
 GREEDY = SamplerParams(temperature=0.0, seed=1)
 SETTINGS = dict(n_ctx=256, pad=64, n_seq_max=4, kv_unified=True, swa_full=True, swa_window=16)
+SIZES = [(80, 24), (120, 40)]  # the terminals people use: the smallest common one, and a wide one
+DEMO_LABEL = "demo: the parallel workload on the bundled model"  # what `kvscope` alone labels its session
 
 
 @pytest.fixture
@@ -222,7 +231,8 @@ def test_the_demo_without_a_terminal():
     done = subprocess.run([sys.executable, "-m", "kvscope.launcher"], capture_output=True, text=True, timeout=300,
                           stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.count("=== step") == 30 and "SequenceAssigned" in done.stdout
+    frames = [line for line in done.stdout.splitlines() if line.startswith("=== step")]  # not the legend's
+    assert len(frames) == 30 and "SequenceAssigned" in done.stdout
     used = [int(line.split("used ")[1].split("/")[0]) for line in done.stdout.splitlines()
             if line.startswith("base ·")]
     assert np.diff(used).min() < 0  # finished requests freed cells
@@ -443,8 +453,248 @@ def test_a_reader_that_stops_early_ends_the_text_frames_quietly():
                              "--workload", "generate", "-p", "And God said", "-c", "256", "--pad", "64"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
     first = proc.stdout.readline()
+    while first and not first.startswith(b"=== step"):  # the legend comes first
+        first = proc.stdout.readline()
     proc.stdout.close()  # what head does after its lines
     _, err = proc.communicate(timeout=120)
     assert first.startswith(b"=== step 1")
     assert proc.returncode == 0, err.decode()
     assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
+
+
+# ---- the explorer at the sizes people use (80x24, 120x40) ---------------------------------------------------
+def screen_lines(app: KvscopeApp) -> list[str]:
+    """The screen as a person reads it: the text of every row of the composed screen, dialogs included (what
+    App.export_screenshot draws)."""
+    width, height = app.size
+    console = Console(width=width, height=height, file=io.StringIO(), record=True, force_terminal=True,
+                      color_system=None, legacy_windows=False, safe_box=False)
+    console.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
+    return console.export_text().splitlines()
+
+
+def test_a_fitted_line_leaves_out_the_least_needed_parts_first():
+    from tui.fit import Part, fit
+
+    parts = [Part("running "), Part("step 12", before=" "), Part(" (decode 14)", rank=4, before=""),
+             Part("3 tok/s", rank=3), Part("base 10/256", rank=2), Part("a long label of the source", rank=9,
+                                                                              shrinks=True)]
+    whole = fit(parts, 0).plain
+    assert whole == "running  step 12 (decode 14) · 3 tok/s · base 10/256 · a long label of the source"
+    assert fit(parts, len(whole)).plain == whole
+    assert fit(parts, len(whole) - 5).plain == "running  step 12 (decode 14) · 3 tok/s · base 10/256 · a long label of the…"
+    # room for 9 cells of the label: too few to say anything, so it goes
+    assert fit(parts, len(whole) - 17).plain == "running  step 12 (decode 14) · 3 tok/s · base 10/256"
+    assert fit(parts, 50).plain == "running  step 12 · 3 tok/s · base 10/256"
+    assert fit(parts, 24).plain == "running  step 12"  # rank 0 alone
+    assert fit(parts, 10).plain == "running  …"  # rank 0 alone too long: cut, never wrapped
+
+
+@pytest.fixture(scope="module")
+def hand_recording(tmp_path_factory):
+    """A recording of a context driven by hand (as `kvscope record` writes: no workload steps, no session
+    status), in chunks of 64 events so that a copy cut short keeps some of them."""
+    path = tmp_path_factory.mktemp("replay") / "hand.kvtrace"
+    _, events = burst_of_events(400)
+    with Recorder(path, chunk_events=64) as recorder:
+        for event in events:
+            recorder.write(event)
+    return path
+
+
+@pytest.mark.parametrize("size", SIZES)
+async def test_the_key_bar_keeps_help_and_quit(session, size):
+    app = KvscopeApp(session_source(session, label=DEMO_LABEL))
+    async with app.run_test(size=size) as pilot:
+        await pilot.pause()
+        keys = screen_lines(app)[-1]
+        assert "? help" in keys and "q quit" in keys, keys
+        assert "space start/pause" in keys and "n step" in keys, keys
+        await pilot.click("#keys", offset=(keys.index("? help"), 0))  # a key is clicked as it is pressed
+        assert isinstance(app.screen, HelpScreen)
+
+
+def test_every_key_in_the_bar_is_bound_to_what_it_says():
+    from textual.app import App
+
+    from tui.keys import REPLAY_KEYS, SESSION_KEYS
+
+    bound = {key.strip(): binding.action for binding in KvscopeApp.BINDINGS for key in binding.key.split(",")}
+    bound[App.COMMAND_PALETTE_BINDING] = "command_palette"
+    for hint in SESSION_KEYS + REPLAY_KEYS:
+        actions = {bound.get(key) for key in hint.bindings}
+        assert None not in actions, (hint, "a key the bar shows is not bound")
+        if hint.action is not None:
+            assert actions == {hint.action}, hint
+        else:  # keys of a replay that need a direction: its moves
+            assert all(a.startswith("replay_") for a in actions), hint
+
+
+@pytest.mark.parametrize("size", SIZES)
+async def test_a_replay_opens_at_its_end_and_says_where_it_stands(hand_recording, size):
+    """Not at event 0 (an empty screen, the model "?"), nor "step 0 (decode 77)" for a recording that has no
+    workload steps, nor the keys of a session."""
+    reader = RecordingReader(hand_recording)
+    recorded = list(reader.events())
+    model = next(e.model_name for e in recorded if isinstance(e, ev.ContextCreated))
+    last_decode = [e.step for e in recorded if isinstance(e, ev.DecodeStarted)][-1]
+    app = KvscopeApp(replay_source(hand_recording))
+    async with app.run_test(size=size) as pilot:
+        await pilot.pause()
+        replay, n = app.source.replay, len(reader)
+        assert replay.at_end and app.query_one(CellGrid).lanes[0].frame.used > 0
+        lines = screen_lines(app)
+        assert f"kvscope · {model}" in lines[0]
+        status, keys = lines[-2], lines[-1]
+        assert f"event {n} of {n}" in status and f"decode {last_decode}" in status and "step 0" not in status
+        assert "space play/pause" in keys and ", . ±1 event" in keys and "? help" in keys and "q quit" in keys
+        assert not any(live in keys for live in ("n step", "p prompt", "o settings")), keys
+        await pilot.press("home")
+        await pilot.pause()
+        app.refresh_view()
+        lines = screen_lines(app)
+        assert f"kvscope · {model}" in lines[0] and f"event 0 of {n}" in lines[-2] and "no decode yet" in lines[-2]
+        await pilot.press("space")  # plays from where it stands
+        assert app.playing
+
+
+@pytest.mark.parametrize("size", SIZES)
+async def test_a_recording_cut_short_says_so_on_screen(hand_recording, tmp_path, size):
+    data = hand_recording.read_bytes()
+    cut = tmp_path / "cut.kvtrace"
+    cut.write_bytes(data[:len(data) * 2 // 3])  # a recorder killed: no index, the last chunk incomplete
+    reader = RecordingReader(cut)
+    assert reader.truncated and 0 < len(reader) < len(RecordingReader(hand_recording))
+    app = KvscopeApp(replay_source(cut))
+    async with app.run_test(size=size) as pilot:
+        await pilot.pause()
+        from tui.status import StatusLine
+
+        status = str(app.query_one(StatusLine).render())
+        assert "CUT SHORT" in status and f"event {len(reader)} of {len(reader)}" in status, status
+        assert any(reader.warnings[0] in str(n.message) for n in app._notifications)
+
+
+async def help_lines(app: KvscopeApp, pilot) -> list[str]:
+    """Every line of the help dialog's text as the screen shows it, page after page (it scrolls)."""
+    from textual.containers import VerticalScroll
+    from textual.widgets import Static
+
+    scroll = app.screen.query_one(VerticalScroll)
+    text = app.screen.query_one(Static)
+    rows: dict[int, str] = {}
+    while True:
+        top = int(scroll.scroll_offset.y)
+        screen = screen_lines(app)
+        region, left, right = scroll.content_region, text.content_region.x, text.content_region.right
+        for row in range(region.height):
+            rows[top + row] = screen[region.y + row][left:right].rstrip()
+        if top >= scroll.max_scroll_y:
+            return [rows[k] for k in sorted(rows)]
+        scroll.scroll_to(y=top + region.height, animate=False, immediate=True)
+        await pilot.pause()
+
+
+@pytest.mark.parametrize("size", SIZES)
+async def test_the_help_reflows_without_orphan_lines(hand_recording, size):
+    """The help's text has no line breaks of its own, so the dialog wraps it once: no word is left alone on a
+    line in the middle of a paragraph, and a table's meaning wraps under itself, not under its term."""
+    app = KvscopeApp(replay_source(hand_recording))
+    async with app.run_test(size=size) as pilot:
+        await pilot.press("question_mark")
+        await pilot.pause()
+        lines = await help_lines(app, pilot)
+    assert any("pending shift" in line for line in lines) and any("home end 0-9" in line for line in lines)
+    for k, line in enumerate(lines[1:], 1):
+        above = lines[k - 1]
+        if len(line.split()) == 1:  # a lone word is a heading, after a blank line, or an orphan
+            assert not above.strip(), f"an orphan {line!r} after {above!r}"
+        if line.strip() and above.strip() and above.startswith(" "):  # after a table's row: a row or its meaning
+            assert line.startswith(" "), f"{line!r} is not under the meaning of {above!r}"
+
+
+@pytest.mark.parametrize("size", SIZES)
+async def test_memory_figures_stay_on_their_lines_and_in_view(session, size):
+    """"28.3 MiB no limit" never wraps, and the devices panel is not pushed below the side column's fold."""
+    from tui.devices import DeviceBars, mib
+
+    app = KvscopeApp(session_source(session, label=DEMO_LABEL))
+    async with app.run_test(size=size) as pilot:
+        await pilot.pause()
+        bars = app.query_one(DeviceBars)
+        lines = str(bars.render()).splitlines()
+        assert all(cell_len(line) <= bars.content_region.width for line in lines), lines
+        for row in app.watcher.mirror.devices.rows.values():
+            capacity = f"of {mib(row.capacity)}" if row.capacity else "no limit"
+            assert any(mib(row.used) in line for line in lines) and any(capacity in line for line in lines), lines
+        assert bars.region.bottom <= app.query_one("#side").region.bottom
+
+
+@pytest.mark.parametrize("size", SIZES)
+async def test_the_status_line_fits_while_running(session, size):
+    from tui.status import StatusLine
+
+    app = KvscopeApp(session_source(session, label=DEMO_LABEL))
+    async with app.run_test(size=size) as pilot:
+        await pilot.press("space")
+        await settle(app, pilot, session, steps=2)
+        status = app.query_one(StatusLine)
+        shown = str(status.render())
+        assert cell_len(shown) <= status.content_region.width, shown
+        watcher = app.watcher
+        assert shown.startswith(watcher.status.state) and f"step {watcher.last_step.step}" in shown, shown
+        assert all(f"{name} " in shown for name in watcher.mirror.caches), shown
+        await pilot.press("space")
+
+
+@pytest.fixture
+def failing_session():
+    """The parallel workload on a cache too small for its four clients: by its third step a decode finds no
+    slot even for one token, and the request that token belongs to ends in an error."""
+    spec = WorkloadSpec("parallel", n_clients=4, n_sequences=8, n_predict=60, arrival_gap=0, sampler=GREEDY)
+    s = Session("demo", settings={"n_ctx": 128, "pad": 32, "n_seq_max": 5, "kv_unified": True, "n_batch": 64},
+                workload=spec)
+    yield s
+    s.close()
+
+
+async def test_the_inspector_says_why_a_request_ended_in_an_error(failing_session):
+    from engine.runners.parallel import CONTEXT_EXCEEDED
+    from tui.inspector import CellInspector
+
+    app = KvscopeApp(session_source(failing_session))
+    async with app.run_test(size=(120, 40)) as pilot:
+        for _ in range(3):
+            await pilot.press("n")
+        await settle(app, pilot, failing_session, steps=3)
+        lane = app.query_one(CellGrid).lanes[0]
+        history = app.watcher.history
+        cell = next(c for c in range(lane.frame.size)
+                    if any("(error" in line for line in history.lines(lane.cache, lane.stream, c)))
+        await pilot.press(*["down"] * (cell // lane.per_row), *["right"] * (cell % lane.per_row))
+        app.refresh_view()
+        await pilot.pause()
+        shown = str(app.query_one(CellInspector).render())
+    ended = [line for line in shown.splitlines() if "(error" in line]
+    assert ended, shown
+    for line in ended:  # the runner's own words for the failure, not just its stop reason
+        assert f"(error: {CONTEXT_EXCEEDED})" in line, line
+
+
+def test_text_frames_begin_with_a_legend():
+    """`kvscope | head -20`: what the marks mean comes first, then the first frame; kvscope ends quietly once
+    head has its lines."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvscope.launcher"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    lines = [proc.stdout.readline().decode() for _ in range(20)]
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and b"Traceback" not in err, err.decode()
+    first_frame = next(k for k, line in enumerate(lines) if line.startswith("=== step 1"))
+    legend = "".join(lines[:first_frame])
+    for mark in (". empty", "M several sequences", "head (where the next slot search starts)", "=== step",
+                 "K/V cache", "QUIRK"):
+        assert mark in legend, legend
+    frame = lines[first_frame:]
+    assert any(re.match(r"\w+ · (full attention|window \d+) · stream \d+ · used \d+/\d+ · head \d+$", line)
+               for line in frame), frame

@@ -1,6 +1,7 @@
-"""`kvscope` as a person starts it: in a real terminal (tmux), with no arguments, on the demo workload.
-The test waits for the grid to fill while generating, reads the screen as tmux shows it, opens the help
-screen with `?`, and quits with `q`. A screenshot of the running explorer (the pane's colours, through
+"""`kvscope` as a person starts it: in a real terminal (tmux) of the sizes people use (80x24, 120x40), with no
+arguments, on the demo workload. The test waits for the grid to fill while generating, reads the screen as
+tmux shows it (the keys to help and quit, the status line and the memory bars whole), opens the help screen
+with `?`, and quits with `q`. A screenshot of the running explorer (the pane's colours, through
 Rich's SVG export and Chromium) goes to $KVSCOPE_TUI_OUT when it is set (the README's picture comes from
 there). Skips when tmux is missing."""
 from __future__ import annotations
@@ -45,28 +46,35 @@ def step_of(text: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-@pytest.fixture
-def kvscope_in_tmux(tmp_path):
+@pytest.fixture(params=[(80, 24), (120, 40)], ids=lambda size: f"{size[0]}x{size[1]}")
+def kvscope_in_tmux(tmp_path, request):
     if not KVSCOPE.exists():
         pytest.skip(f"the kvscope command is not installed beside {sys.executable}")
     session = f"kvscope-test-{uuid.uuid4().hex[:8]}"
     # COLUMNS and LINES (set by the test run) would override the pane's size for Textual (shutil reads them first)
     env = f"env -u COLUMNS -u LINES TERM=xterm-256color COLORTERM=truecolor HOME={tmp_path}"
-    tmux("new-session", "-d", "-s", session, "-x", "120", "-y", "40", f"{env} {KVSCOPE}; sleep 30")
+    width, height = request.param
+    tmux("new-session", "-d", "-s", session, "-x", str(width), "-y", str(height), f"{env} {KVSCOPE}; sleep 30")
     try:
-        yield session
+        yield session, width
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
 
 
 def test_kvscope_runs_the_demo_in_a_terminal_and_quits(kvscope_in_tmux):
-    session = kvscope_in_tmux
+    session, width = kvscope_in_tmux
     first = wait_for(session, lambda t: "base" in t and "swa" in t and (step_of(t) or 0) >= 1, 90,
                      "the demo's lanes and a first step")
     later = wait_for(session, lambda t: (step_of(t) or 0) >= step_of(first) + 5, 60, "five more steps")
     assert "█" in later, "sequences' cells are drawn"
     assert re.search(r"weights", later), "the device bars are on screen"
-    out = os.environ.get("KVSCOPE_TUI_OUT")
+    lines = later.splitlines()
+    keys, status = lines[-1], lines[-2]
+    assert "? help" in keys and "q quit" in keys and "space start/pause" in keys, keys
+    assert re.match(r" (running|idle|paused)  step \d+", status) and "base " in status and "swa " in status, status
+    assert re.search(r"\d+\.\d MiB", later) and re.search(r"no limit|of \d", later), "the memory figures"
+    assert not any(re.search(r"│ (limit|MiB)\b", line) for line in lines), "a memory figure wrapped in two"
+    out = os.environ.get("KVSCOPE_TUI_OUT") if width >= 120 else None
     if out:  # a later step, when the window has slid and clients have finished and been shifted
         wait_for(session, lambda t: (step_of(t) or 0) >= 60, 90, "step 60")
         save_screenshot(screen(session, colours=True), Path(out))

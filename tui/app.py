@@ -18,7 +18,6 @@ from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
 from textual.css.query import NoMatches
 from textual.events import Click
-from textual.widgets import Footer
 
 from engine import events as ev
 from engine.watch import AttentionWatch, Recorder, visibility
@@ -28,12 +27,13 @@ from engine.watch.sources import Source
 from tui.commands import SequenceCommands
 from tui.devices import DeviceBars
 from tui.event_log import EventLog
+from tui.fit import FittedLine, Part
 from tui.grid import CellGrid
 from tui.inspector import CellInspector
+from tui.keys import REPLAY_KEYS, SESSION_KEYS, KeyBar
 from tui.screens import HelpScreen, PromptScreen, SettingsScreen
 from tui.slots import SlotsPanel
 from tui.status import StatusLine
-from tui.text_panel import TextPanel
 
 FRAMES_PER_SECOND = 20
 POLL_BUDGET_S = 0.005  # a frame absorbs events for this long at most, so that keys wait a frame at most
@@ -55,6 +55,7 @@ class KvscopeApp(App):
     EventLog { height: 1fr; min-height: 8; }
     Screen.-narrow #side { width: 32; }
     Screen.-narrow EventLog { height: 6; min-height: 6; }
+    Screen.-narrow CellInspector { max-height: 9; }
     """
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]  # 80 columns: the grid keeps 32 cells a row
     BINDINGS = [
@@ -115,7 +116,7 @@ class KvscopeApp(App):
 
     # ---- layout ----------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
-        yield TextPanel(id="title")
+        yield FittedLine(id="title")
         with Horizontal(id="main"):
             yield CellGrid(id="grid")
             # a server's slots first (when it runs, they are what a turn did); the rest scrolls with the mouse
@@ -125,10 +126,21 @@ class KvscopeApp(App):
                 yield DeviceBars(id="devices")
         yield EventLog(id="log")
         yield StatusLine(id="status")
-        yield Footer()
+        yield KeyBar(id="keys")
 
     def on_mount(self) -> None:
         self._view(CellGrid).focus()
+        replay = self.source.replay
+        if replay is not None:
+            self._view(KeyBar).show_keys(REPLAY_KEYS)
+            # A recording is opened to see what happened: its end shows the cache the run left and the events
+            # that led there (event 0 is an empty cache, before the model even loaded); home or 0 goes back.
+            if replay.at_start:
+                replay.seek(len(replay) - 1)
+            for warning in replay.reader.warnings:
+                self.notify(warning, title="the recording is incomplete", severity="warning", timeout=30)
+        else:
+            self._view(KeyBar).show_keys(SESSION_KEYS)
         self.set_interval(1 / self.frames_per_second, self.refresh_view)
         self.refresh_view()
 
@@ -216,7 +228,7 @@ class KvscopeApp(App):
         self._view(DeviceBars).show_devices(mirror.devices)
         self._view(SlotsPanel).show_slots(self.watcher.server, self.current_theme.dark)
         self._view(EventLog).add_events(new)
-        self._view("#title", TextPanel).show(self._title())
+        self._view("#title", FittedLine).show_parts(self._title())
         self.frames_drawn += 1
 
     def _draw_inspector(self, seen) -> None:
@@ -229,22 +241,27 @@ class KvscopeApp(App):
                                                 first, last, seen)
 
     def _draw_status(self) -> None:
-        self._view(StatusLine).show_status(self.watcher, self._tokens_per_second(), self.source.label)
+        self._view(StatusLine).show_status(self.watcher, self._tokens_per_second(), self.source.label,
+                                           replay=self.source.replay, playing=self.playing)
 
     def _tokens_per_second(self) -> float:
         return tokens_per_second(self._steps, time.monotonic())
 
-    def _title(self) -> str:
+    def _title(self) -> list[Part]:
+        """kvscope, the model, the workload and what is selected; when narrow, the selection's details go first."""
         created = self.watcher.mirror.created
-        model = next(iter(created.values())).model_name if created else "?"
+        replay = self.source.replay
+        model = next(iter(created.values())).model_name if created else (replay.model_name if replay else "")
         status = self.watcher.status
-        workload = status.workload if status else "?"
+        workload = status.workload if status else (replay.reader.info.get("command", "") if replay else "")
         seq = "none" if self.selected_seq is None else str(self.selected_seq)
-        if self.source.replay is not None:
-            replay = self.source.replay
-            workload = f"replay {replay.position + 1}/{len(replay)}{' playing' if self.playing else ''}"
-        return (f"kvscope · {model} · {workload} · {self.source.kind} · selected seq {seq}"
-                f"{' · window shown' if self.show_window else ''}{' · recording' if self.recorder else ''}")
+        parts = [Part("kvscope", "bold"), Part(model or "?"), Part(workload or "?", rank=1),
+                 Part(f"{self.source.kind}", rank=4), Part(f"selected seq {seq}", rank=2)]
+        if self.show_window:
+            parts.append(Part("window shown", rank=3))
+        if self.recorder:
+            parts.append(Part("recording", "bold"))
+        return parts
 
     def _lane_titles(self) -> dict[str, str]:
         return {name: cache_title(c) for name, c in self.watcher.mirror.created.items()}
@@ -366,7 +383,10 @@ class KvscopeApp(App):
             self.notify(f"no {'later' if direction > 0 else 'earlier'} event of that kind", severity="warning")
 
     def action_toggle_run(self) -> None:
-        if self.source.replay is not None:
+        replay = self.source.replay
+        if replay is not None:
+            if not self.playing and replay.at_end:
+                replay.seek(-1)  # played to the end: play it again
             self.playing = not self.playing
             return
         session = self._session()
@@ -467,7 +487,7 @@ class KvscopeApp(App):
         log.add_events(list(self.watcher.recent))
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen())
+        self.push_screen(HelpScreen(replay=self.source.replay is not None))
 
     async def action_quit(self) -> None:
         if self.recorder is not None:

@@ -19,10 +19,14 @@ from textual.strip import Strip
 from engine.watch import style
 from engine.watch.frames import EMPTY, SHARED, Frame, StreamFrame
 from engine.watch.visibility import CellVisibility
+from tui.fit import Part, fit
 
 LABEL_WIDTH = 6  # "00000 " before each row: the index of its first cell
 TITLE = Style(bold=True)
 DIM = Style(color="#6C6C6C")
+# A narrow lane title leaves out the cache's K/V types, then its layers (the rightmost of a rank goes first),
+# then the head, which the cells show too.
+HEAD_RANK, TITLE_DETAIL_RANK = 1, 2
 
 
 @dataclass
@@ -109,8 +113,13 @@ class CellGrid(ScrollView, can_focus=True, inherit_bindings=False):
         self.refresh()
 
     def _lane_title(self, sf: StreamFrame, folded: style.Folded) -> str:
-        fold = f" · {folded.cells_per_glyph} cells per glyph" if folded.cells_per_glyph > 1 else ""
-        return f"{self._titles.get(sf.cache, sf.cache)} · s{sf.stream} · {sf.used}/{sf.size} · head {sf.head}{fold}"
+        """The cache's title, the stream, how full it is and where its head is, fitted to the width."""
+        name, *details = self._titles.get(sf.cache, sf.cache).split(" · ")  # name · window · layers · types
+        parts = [Part(name), *(Part(d) if k == 0 else Part(d, rank=TITLE_DETAIL_RANK) for k, d in enumerate(details))]
+        parts += [Part(f"s{sf.stream}"), Part(f"{sf.used}/{sf.size}"), Part(f"head {sf.head}", rank=HEAD_RANK)]
+        if folded.cells_per_glyph > 1:
+            parts.append(Part(f"{folded.cells_per_glyph} cells per glyph"))
+        return fit(parts, self.size.width - 1).plain  # - 1: the scrollbar's column, whether it shows or not
 
     def on_resize(self) -> None:
         self._layout()
@@ -209,6 +218,9 @@ COLOURS = {dark: (*style.palette(dark), style.owner_color(SHARED, dark), style.o
 SHARED_INDEX, EMPTY_INDEX = len(style.PALETTE), len(style.PALETTE) + 1
 CHANGED_BIT, DIM_BIT, HEAD_BIT, CURSOR_BIT = 1 << 4, 1 << 5, 1 << 6, 1 << 7
 HEAT_SHIFT, HEAT_LEVELS = 8, 8
+# A cell its sequence fills (█) would hide the attention background: under attention, half of it is left to the
+# background, the other half keeps the sequence's colour.
+ATTENTION_GLYPH = "▄"
 _STYLES: dict[tuple, Style] = {}
 
 
@@ -217,7 +229,7 @@ def _style(key: int, dark: bool = True, background=None) -> Style:
     found = _STYLES.get((key, dark, background))
     if found is None:
         heat = key >> HEAT_SHIFT
-        bgcolor = _heat_color(heat) if heat else (style.HEAD_COLOR if key & HEAD_BIT else background)
+        bgcolor = heat_color(heat) if heat else (style.HEAD_COLOR if key & HEAD_BIT else background)
         found = _STYLES[(key, dark, background)] = Style(color=COLOURS[dark][key & 0xF], bgcolor=bgcolor,
                                              bold=bool(key & CHANGED_BIT), underline=bool(key & CHANGED_BIT),
                                              dim=bool(key & DIM_BIT), reverse=bool(key & CURSOR_BIT))
@@ -251,10 +263,11 @@ def _glyph_arrays(lane: Lane) -> tuple[np.ndarray, np.ndarray]:
     if lane.heat is not None and one:
         level = np.minimum(HEAT_LEVELS - 1, np.ceil(np.sqrt(np.clip(lane.heat, 0, 1)) * (HEAT_LEVELS - 1))).astype(int)
         key = key + (level << HEAT_SHIFT)
+        text = np.where((level > 0) & (text == style.GLYPH_ONE), ATTENTION_GLYPH, text)
     return text.astype("<U1"), key.astype(np.int64)
 
 
-def _heat_color(level: int) -> str:
+def heat_color(level: int) -> str:
     """Attention as a background, from dark to a warm red; levels follow the square root of the weight,
     so that small weights still show."""
     red = 40 + 200 * level // (HEAT_LEVELS - 1)

@@ -37,9 +37,10 @@ class CellInspector(TextPanel):
         if pos < 0:
             text.append("empty", style="dim")
         else:
-            text.append(f"pos {pos} · ")
-            for s in seqs:
-                text.append(f"seq {s} ", style=style.seq_color(s, self.app.current_theme.dark))
+            text.append(f"pos {pos} · {'seq' if len(seqs) == 1 else 'seqs'}")
+            for s in seqs:  # each in its colour; "seqs 0 1 2" rather than "seq 0 seq 1 seq 2": a narrow box
+                text.append(f" {s}", style=style.seq_color(s, self.app.current_theme.dark))
+            text.append(" ")
             token = _token_of(history, cache, stream, first)
             if token:
                 text.append(f"· token {token!r}")

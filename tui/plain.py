@@ -1,6 +1,7 @@
 """The explorer without a terminal (a pipe, CI): the same views as plain text, one frame per step, for a
 bounded number of steps; then it exits. Cell grids are llama.cpp's cell maps ('.' empty, the sequence id,
-'M' for several), memory one row per device, and the events of each step one line each."""
+'M' for several), memory one row per device, and the events of each step one line each. A legend comes
+first, once: a reader of `kvscope | head` sees what the marks mean before the first frame."""
 from __future__ import annotations
 
 import io
@@ -12,10 +13,28 @@ from engine.watch.watcher import Watcher
 
 SHOWN_KINDS = (ev.CellsAllocated, ev.CellsRemoved, ev.CellsCopied, ev.CellsShifted, ev.KShiftApplied,
                ev.SlotSearchFailed, ev.DecodeFinished, ev.SequenceAssigned, ev.CommandDone)
+CELLS_PER_ROW = 64
+LEGEND = f"""\
+kvscope: the KV cache as text, one frame per step (no terminal here: in one,
+kvscope is an interactive explorer). What a frame shows:
+  === step    the step: tokens decoded and sampled, llama_decode's return code
+  lane        cache · full attention or its window · stream · used/size cells ·
+              head (where the next slot search starts)
+  cells       . empty   a number: the id of the one sequence holding the cell
+              M several sequences (llama.cpp's cell map); {CELLS_PER_ROW} cells a row,
+              the row's first cell before it
+  memory      per device: weights, K/V cache, compute buffers (MiB), capacity
+  events      the step's cell changes, failed slot searches, decodes, requests
+              and commands, after their number; "by ...": who asked for it;
+              "! ...": llama.cpp behaviour (a QUIRK) that kvscope reproduces
+"""
 
 
 def plain_frames(session, steps: int, out: TextIO, *, events_per_step: int = 12) -> int:
-    """Step a synchronous session `steps` times, writing a text frame after each; returns steps done."""
+    """Step a synchronous session `steps` times, writing the legend, then a text frame after each step;
+    returns steps done."""
+    out.write(LEGEND)
+    out.flush()
     watcher = Watcher.of(session)
     watcher.poll()
     session.start().result()
@@ -40,8 +59,8 @@ def _write_frame(watcher: Watcher, out: TextIO, events_per_step: int) -> None:
         created = watcher.mirror.created.get(sf.cache)
         window = f"window {created.n_swa}" if created and created.n_swa else "full attention"
         text.write(f"{sf.cache} · {window} · stream {sf.stream} · used {sf.used}/{sf.size} · head {sf.head}\n")
-        for k, line in enumerate(cell_map(sf.owner)):
-            text.write(f"  {k * 64:5d} {line}\n")
+        for k, line in enumerate(cell_map(sf.owner, CELLS_PER_ROW)):
+            text.write(f"  {k * CELLS_PER_ROW:5d} {line}\n")
     for row in watcher.mirror.devices.rows.values():
         cap = f" of {row.capacity / 2**20:.0f} MiB" if row.capacity else ""
         text.write(f"  {row.label:<16} weights {row.bytes['weights'] / 2**20:7.1f} MiB · K/V "

@@ -2,6 +2,7 @@
 rebuild the context, with the memory they would take shown before they are applied."""
 from __future__ import annotations
 
+from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -11,44 +12,152 @@ from textual.widgets import Button, Input, Label, Static
 
 from engine.watch import style
 from engine.watch.settings_form import SETTINGS, estimate_lines, parse_settings, shown
+from tui.grid import ATTENTION_GLYPH, HEAT_LEVELS, heat_color
 
-HELP = """\
-[b]kvscope[/b] shows a KV cache the way llama.cpp keeps it: each cache stream is a lane of cells.
+ROW_INDENT = 2  # a row of a help table starts here; its meaning, when it wraps, goes on under itself
+TERM_GAP = 2
+BLANK = Text("")
 
-[b]Cells[/b]
-  {empty}  empty          {one}  one sequence (its colour)      {shared}  several sequences
-  [u b]{one}[/u b]  changed since the last frame                  ?  touched by a dry run (slot search)
-  [{quirk}]![/]  touched by an event that reproduces a llama.cpp QUIRK (the log's ! line says which)
-  »/«  a pending shift (applied to the keys at the next decode: the K-shift)
-  [on {head}] [/]  the head: where the next slot search starts
-  ╳  the selected sequence's cell that its next token does not see (outside the sliding window)
-  dim  another sequence's cell, not seen by the selected one
-  red background: attention of the selected sequence's last token (when the session publishes it)
-  When a lane is wider than the screen, a glyph covers several cells: {shades} from empty to full.
 
-[b]Sequences[/b] keep one colour everywhere: {colours}
-On a light theme (ctrl+p, "theme") the same hues come darker, to stand out as well.
+def orphanless_lines(text: Text, width: int, console: Console) -> list[Text]:
+    """The text wrapped to `width` as a greedy wrap does, unless that leaves one word alone on the last line
+    (an orphan): then at the widest narrower width that takes no more lines and gives the last line a word
+    more."""
+    lines = list(text.wrap(console, width))
+    if len(lines) < 2 or len(lines[-1].plain.split()) > 1:
+        return lines
+    for narrower in range(width - 1, width // 2, -1):
+        tried = list(text.wrap(console, narrower))
+        if len(tried) > len(lines):
+            break
+        if len(tried[-1].plain.split()) > 1:
+            return tried
+    return lines
 
-[b]Lanes[/b]  kv: the cache of a full-attention model. base / swa: the two caches of a sliding-window
-model (full-attention layers / sliding layers). With split streams (-np without -kvu) every sequence has
-a stream of its own.
 
-[b]QUIRKs[/b]  llama.cpp behaviour that looks unintended is reproduced, and its events say so (a ! in the
-log): the dry run's SWA purge, the heads after a failed dry run, seq_div's shift sign, the server's
-needless checkpoint search.
+class Paragraph:
+    """Prose that the dialog wraps to its width (it has no line breaks of its own), without an orphan."""
 
-[b]Server slots[/b] (--workload server: llama-server's slots, slot i on sequence i) each slot's last prompt
-as a bar: [{reused}]█[/] served by the cache  [{lost}]▓[/] held but processed again  [{fresh}]░[/] new; its last turns:
-[{kept}]kept[/] prefix reused · [{restored}]restored[/] a checkpoint · [{forced}]forced[/] full re-processing · new (nothing kept);
-the checkpoints it holds (their token counts) and their host memory (a part of the CPU bar). The log's
-"server" filter (f) shows the server's own lines.
+    def __init__(self, text: Text) -> None:
+        self.text = text
 
-[b]Keys[/b]  space start/pause · n one step · p prompt · arrows / mouse: cell · [ ] lane · tab: next
-sequence · w window overlay · a attention overlay · + - zoom · x rm · k keep · y copy · s shift the sequence
-(context shift) · ctrl+p commands · o settings · r record · f g c log filters · ? help · q quit
-[b]Replay[/b] (kvscope tui --replay FILE)  , . one event back / forward · < > a hundred · 0-9 home end: jump
-to a tenth of the way · j J: next / previous event of the log's filter (f g c) · space: play / pause
-"""
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield from orphanless_lines(self.text, options.max_width, console)
+
+
+class Rows:
+    """Terms and their meanings: a column of terms, each meaning wrapped under itself beside it (without an
+    orphan), so that however wide the dialog is, no line of a meaning starts under its term."""
+
+    def __init__(self, rows: list[tuple[Text | str, str]]) -> None:
+        self.rows = [(Text(term) if isinstance(term, str) else term, Text(meaning)) for term, meaning in rows]
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        term_width = max(term.cell_len for term, _ in self.rows)
+        hang = ROW_INDENT + term_width + TERM_GAP
+        for term, meaning in self.rows:
+            for k, line in enumerate(orphanless_lines(meaning, max(options.max_width - hang, 8), console)):
+                start = Text(" " * ROW_INDENT) + term + " " * (term_width - term.cell_len + TERM_GAP) if k == 0 \
+                    else Text(" " * hang)
+                yield start + line
+
+
+def _heading(title: str, after: str = "") -> Paragraph:
+    text = Text()
+    text.append(title, style="bold")  # the title alone: a Text's own style would embolden what follows too
+    if after:
+        text.append(f" {after}")
+    return Paragraph(text)
+
+
+def help_text(dark: bool, replay: bool) -> Group:
+    """What every glyph, colour and key means, as paragraphs and tables that the dialog wraps to its width.
+    The cells first (what the screen shows), then the keys: a replay's first when a recording is shown."""
+    colours = Text()
+    colours.append("Sequences", style="bold")
+    colours.append(' keep one colour everywhere (on a light theme, ctrl+p "theme", the same hues come darker, '
+                   'to stand out as well):')
+    for i, colour in enumerate(style.palette(dark)):
+        colours.append(" ")
+        colours.append(f"{style.GLYPH_ONE}{i}", style=colour)
+    empty = style.EMPTY_COLOR if dark else style.EMPTY_COLOR_ON_LIGHT
+    one = style.seq_color(0, dark)
+    cells = Rows([
+        (Text(style.GLYPH_EMPTY, style=empty), "empty"),
+        (Text(style.GLYPH_ONE, style=one), "one sequence (its colour)"),
+        (Text(style.GLYPH_SHARED), "several sequences (the inspector says which)"),
+        (Text(style.GLYPH_ONE, style=f"bold underline {one}"), "changed since the last frame (bold, underlined)"),
+        (style.GLYPH_TENTATIVE, "touched by a dry run (a slot search that is undone)"),
+        (Text(style.GLYPH_QUIRK, style=style.QUIRK_COLOR),
+         "touched by an event that reproduces a llama.cpp QUIRK (the log's ! line says which)"),
+        ("» «", "a pending shift, applied to the keys at the next decode (the K-shift)"),
+        (Text(style.GLYPH_EMPTY, style=f"{empty} on {style.HEAD_COLOR}"),
+         "the head, on a violet background: where the next slot search starts"),
+        ("╳", "a cell of the selected sequence that its next token does not see (outside the sliding window)"),
+        (Text(style.GLYPH_ONE, style=f"dim {style.seq_color(1, dark)}"),
+         "dimmed: another sequence's cell, not seen by the selected one"),
+        (Text(ATTENTION_GLYPH, style=f"{one} on {heat_color(HEAT_LEVELS - 1)}"),
+         ("attention (a): the selected sequence's cells on a red background, darker to brighter by the weight "
+          "its last token gave them (when the session publishes it: kvscope tui --attention)")),
+        ("".join(style.OCCUPANCY_GLYPHS[1:]), ("a glyph that covers several cells (a lane wider than the screen, "
+                                              "or zoomed out): from a few used to all")),
+    ])
+    session_keys = Rows([
+        ("space", "start / pause the session"),
+        ("n", "one step"),
+        ("p", "a prompt: a new sequence (or a request of the parallel workload)"),
+        ("arrows, mouse", "the cell under the cursor, explained beside the grid"),
+        ("[ ]", "the lane before / after"),
+        ("tab shift+tab", "the next / previous sequence: its window and attention are shown"),
+        ("w a", "the window overlay, the attention overlay: on / off"),
+        ("+ -", "zoom in / out"),
+        ("x k y s", "the selected sequence: remove it, keep only it, copy it, shift it (a context shift)"),
+        ("o", "settings: rebuild the context, with the memory it would take shown first"),
+        ("ctrl+p", "every command (sequence operations, state save and load, clear, record)"),
+        ("r", "record the session to a .kvtrace file (r again to stop)"),
+        ("f g c", "the log's filters: kind of event, the selected sequence, the cache under the cursor"),
+        ("? q", "this help, quit"),
+    ])
+    replay_keys = Rows([
+        ("space", "play / pause (from the start when at the end)"),
+        (", .", "one event back / forward"),
+        ("< >", "a hundred events back / forward"),
+        ("home end 0-9", "the start, the end, a tenth of the way"),
+        ("j J", "the next / previous event of the kinds the log shows (f g c)"),
+        ("tab, arrows", "the selected sequence and the cursor, as in a session"),
+    ])
+    keys = [_heading("Keys of a replay", "(kvscope tui --replay FILE)"), replay_keys, BLANK,
+            _heading("Keys of a session"), session_keys]
+    if not replay:
+        keys = keys[3:] + [BLANK] + keys[:2]
+    part, outcome = style.PROMPT_PART_COLORS, style.OUTCOME_COLORS
+    return Group(
+        Paragraph(Text("kvscope shows a KV cache the way llama.cpp keeps it: each cache stream is a lane of cells.")),
+        BLANK,
+        _heading("Cells"), cells, BLANK,
+        Paragraph(colours), BLANK,
+        *keys, BLANK,
+        _heading("Lanes"),
+        Rows([("kv", "the cache of a full-attention model"),
+              ("base, swa", ("the two caches of a sliding-window model: its full-attention layers, its sliding "
+                             "layers")),
+              ("s0 s1 ...", "the streams: with split streams (-np without -kvu) each sequence has one of its own")]),
+        BLANK,
+        _heading("QUIRKs", "llama.cpp behaviour that looks unintended is reproduced, and its events say so (a ! in "
+                           "the log): the dry run's SWA purge, the heads after a failed dry run, seq_div's shift "
+                           "sign, the server's needless checkpoint search."), BLANK,
+        _heading("Server slots", "(--workload server: llama-server's slots, slot i on sequence i) each slot's last "
+                                 "prompt as a bar, its last turns, the checkpoints it holds (their token counts) "
+                                 "and their host memory (a part of the CPU bar). The log's \"server\" filter (f) "
+                                 "shows the server's own lines."),
+        Rows([(Text("█", style=part["reused"]), "prompt tokens served by the cache"),
+              (Text("▓", style=part["lost"]), "held by the cache but processed again"),
+              (Text("░", style=part["new"]), "new"),
+              (Text("kept", style=outcome["kept"]), "a turn whose prefix was reused"),
+              (Text("restored", style=outcome["restored"]), "a turn that restored a checkpoint"),
+              (Text("forced", style=outcome["forced"]), "a turn forced to process its whole prompt again"),
+              ("new", "a turn for which nothing was kept")]),
+    )
 
 
 class HelpScreen(ModalScreen[None]):
@@ -59,15 +168,14 @@ class HelpScreen(ModalScreen[None]):
                                   border: round $accent; background: $surface; padding: 1 2; }
     """
 
+    def __init__(self, replay: bool = False) -> None:
+        """replay: a recording is shown (its keys come first)."""
+        super().__init__()
+        self.replay = replay
+
     def compose(self) -> ComposeResult:
-        colours = " ".join(f"[{c}]{style.GLYPH_ONE}{i}[/]"
-                           for i, c in enumerate(style.palette(self.app.current_theme.dark)))
-        part, outcome = style.PROMPT_PART_COLORS, style.OUTCOME_COLORS
-        text = HELP.format(reused=part["reused"], lost=part["lost"], fresh=part["new"], kept=outcome["kept"],
-                           restored=outcome["restored"], forced=outcome["forced"], empty=style.GLYPH_EMPTY, one=style.GLYPH_ONE, shared=style.GLYPH_SHARED,
-                           head=style.HEAD_COLOR, quirk=style.QUIRK_COLOR, shades="".join(style.OCCUPANCY_GLYPHS[1:]), colours=colours)
         with VerticalScroll():
-            yield Static(text)
+            yield Static(help_text(self.app.current_theme.dark, self.replay), id="help")
 
 
 class PromptScreen(ModalScreen[str | None]):

@@ -1,32 +1,45 @@
-"""The status line: what runs, how fast, how full the caches are, and whether the view is right (the
-parts come from the watch layer, as the notebook explorer's)."""
+"""The status line: what runs (or where a replay stands), how fast, how full the caches are, and whether the
+view is right (the parts come from the watch layer, as the notebook explorer's). It fits its width: the
+source's label and the speed go first, the state, the step and any warning never."""
 from __future__ import annotations
-
-from rich.text import Text
 
 from engine.watch.describe import status_parts
 from engine.watch.watcher import Watcher
-from tui.text_panel import TextPanel
+from tui.fit import FittedLine, Part
 
 TONES = {"running": "bold reverse", "state": "bold", "error": "bold red", "warning": "yellow", "": ""}
+DECODE_RANK, SPEED_RANK, CACHE_RANK, LABEL_RANK = 4, 3, 2, 9
 
 
-class StatusLine(TextPanel):
+class StatusLine(FittedLine):
     DEFAULT_CSS = """
     StatusLine { height: 1; background: $boost; padding: 0 1; }
     """
 
-    def show_status(self, watcher: Watcher, tokens_per_s: float, source_label: str) -> None:
-        text = Text()
+    def show_status(self, watcher: Watcher, tokens_per_s: float, source_label: str, *, replay=None,
+                    playing: bool = False) -> None:
+        """replay: the Replay shown (its position and whether its file was cut short replace the recorded
+        state and the speed); playing: it advances by itself."""
         (state, tone), *rest = status_parts(watcher)
-        text.append(f"{state} ", style=TONES[tone])
-        for part, tone in rest:
-            if part.startswith("step "):
-                text.append(f" {part} · {tokens_per_s:.0f} tok/s")
-            elif tone == "error" and part.endswith("retrying"):
-                text.append(f" {part}", style="red")
+        if replay is None:
+            parts = [Part(f"{state} ", TONES[tone])]
+        else:
+            parts = [Part("▶ playing " if playing else "replay ", TONES["running" if playing else "state"]),
+                     Part(f"event {replay.position + 1} of {len(replay)}", before=" ")]
+            if replay.reader.truncated:
+                parts.append(Part("CUT SHORT: the recorder did not finish", TONES["error"]))
+        for text, tone in rest:
+            if text.startswith(("step ", "decode ", "no decode")):
+                step, decode, count = text.partition(" (decode ")
+                parts.append(Part(step, before=" " if replay is None else " · "))
+                if decode:
+                    parts.append(Part(f" (decode {count}", rank=DECODE_RANK, before=""))
+                if replay is None and step.startswith("step "):
+                    parts.append(Part(f"{tokens_per_s:.0f} tok/s", rank=SPEED_RANK))
+            elif tone == "error" and text.endswith("retrying"):
+                parts.append(Part(text, "red", before=" "))
             else:
-                text.append(f" · {part}", style=TONES[tone])
+                parts.append(Part(text, TONES[tone], rank=CACHE_RANK if tone == "" else 0))
         if source_label:
-            text.append(f" · {source_label}", style="dim")
-        self.show(text)
+            parts.append(Part(source_label, "dim", rank=LABEL_RANK, shrinks=True))
+        self.show_parts(parts)

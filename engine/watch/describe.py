@@ -85,6 +85,8 @@ def _what(event: ev.Event) -> str:
         return f"{kind} {event.cache} stream {event.src_stream} -> {event.dst_stream}"
     if isinstance(event, ev.EventsDropped):
         return f"{kind} {event.count} events lost: resyncing"
+    if isinstance(event, ev.DeviceMemoryChanged):
+        return f"{kind} {event.device} {event.what} {event.delta / 2**20:+.2f} MiB"
     return _server_what(event, kind)
 
 
@@ -239,7 +241,11 @@ def status_parts(watcher, *, with_error: bool = False) -> list[tuple[str, str]]:
     # the status event comes when the state changes; the steps' own events keep the count current
     step = max(status.step if status else 0, watcher.last_step.step if watcher.last_step else 0)
     decode = watcher.history.step  # the context's decode count, which the cell histories name
-    parts.append((f"step {step}" + (f" (decode {decode})" if decode >= 0 else ""), ""))
+    if status is None and watcher.last_step is None:
+        # no workload counts steps (a context driven by hand, `kvscope record`): "step 0" would be false
+        parts.append((f"decode {decode}" if decode >= 0 else "no decode yet", ""))
+    else:
+        parts.append((f"step {step}" + (f" (decode {decode})" if decode >= 0 else ""), ""))
     for name, cache in watcher.mirror.caches.items():
         used = sum(int((st.pos >= 0).sum()) for st in cache.streams)
         shifts = sum(int((st.shift != 0).sum()) for st in cache.streams)

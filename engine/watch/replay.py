@@ -166,6 +166,13 @@ class Replay:
         return (self.position + 1) / len(self) if len(self) else 1.0
 
     @property
+    def model_name(self) -> str:
+        """The recorded model's name, wherever the cursor is (a view's title before the context's events
+        too); "" when the recording names none."""
+        named = self._kind_index().positions(_MODEL_NAMING_KINDS)
+        return self.reader.event(int(named[0])).model_name if len(named) else ""
+
+    @property
     def event(self) -> ev.Event | None:
         """The event the cursor stands on (the last one applied); None before the first."""
         return self.reader.event(self.position) if self.position >= 0 else None
@@ -236,8 +243,8 @@ class Replay:
         return self._keyframes[k] if k >= 0 else -1
 
     def _rebuild(self, target: int) -> None:
-        """New watcher parts for `target`: a keyframe's state, the events after it, and frames that compare
-        with what the watcher showed last."""
+        """New watcher parts for `target`: a keyframe's state and the events after it. A view's frame reader
+        compares the new frame source whole with what it showed last (engine/watch/frames.py)."""
         old = self.watcher
         parts = Watcher(_NoEvents(), None, history_depth=old.history.depth, recent=old.recent.maxlen)
         start = self._rebuild_start(target)
@@ -247,7 +254,6 @@ class Replay:
         self._apply(parts, start + 1, target)
         parts.frames = FrameSource(parts.mirror)  # tentative marks of the target event only (module docstring)
         self._apply(parts, target, target + 1)
-        parts.frames.continue_from(old.frames)
         old.mirror, old.frames, old.history, old.recent = parts.mirror, parts.frames, parts.history, parts.recent
         old.server = parts.server
         old.status, old.last_step, old.last_error = parts.status, parts.last_step, parts.last_error
@@ -328,6 +334,7 @@ def _kind_names(kinds: KindsArg) -> frozenset[str] | None:
 
 
 _SERVER_KIND_NAMES = frozenset(kind.__name__ for kind in SERVER_EVENTS)
+_MODEL_NAMING_KINDS = frozenset({"ModelPlaced", "ContextCreated", "Vocabulary"})
 
 
 def _event_test(seq_id: int | None, cache: str | None, quirk: bool | None,

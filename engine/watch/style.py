@@ -26,7 +26,9 @@ PALETTE = (
 )
 SHARED_COLOR = "#FFFFFF"  # several sequences in one cell
 EMPTY_COLOR = "#5F5F5F"
-HEAD_COLOR = "#FF5F5F"
+# The head: violet, apart from the red of attention (both are drawn behind cells in the terminal) and from the
+# palette's hues; as a marker in the notebook 3.7:1 on the light background, 3.4:1 or more on dark ones.
+HEAD_COLOR = "#AF00FF"
 QUIRK_COLOR = "#FF5F87"
 # On a light background the same hues, darkened until they stand out as well as on a dark one (3:1 or
 # more against textual-light's #E0E0E0, the darkest light background a view is drawn on); shared cells dark.
