@@ -44,7 +44,7 @@ MODEL = in_memory_model()
 
 class RefError(Exception):
     """An operation kvscope refuses, leaving the state unchanged, where llama.cpp would abort on a
-    GGML_ASSERT (README, "Where kvscope deviates from llama.cpp")."""
+    GGML_ASSERT (docs/deviations-from-llama-cpp.md)."""
 
 
 class RefStream:

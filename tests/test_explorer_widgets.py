@@ -185,11 +185,36 @@ def test_a_recording_opens_in_the_explorer_with_its_timeline(tmp_path):
         replay.close()
 
 
+def shown_strings(page: str) -> list[str]:
+    """Every double-quoted JSON string of a page, decoded as the browser's JavaScript decodes it."""
+    import json
+    import re
+
+    found = []
+    for literal in re.findall(r'"(?:[^"\\\n]|\\.)*"', page):
+        try:
+            found.append(json.loads(literal))
+        except ValueError:  # an HTML attribute, not JSON
+            continue
+    return found
+
+
+def test_shown_strings_decode_both_encoders_alike():
+    import json
+
+    title = {"text": "base · full"}
+    for page in (json.dumps(title), json.dumps(title, ensure_ascii=False)):
+        assert "base · full" in shown_strings(page)
+
+
 def test_a_view_exports_to_standalone_html(explorer, tmp_path):
     x = explorer
     x.session.step(3).result()
     page = x.export_html(tmp_path / "view.html").read_text()
-    assert page.count("plotly") > 10 and "base · full" in page and "swa · window 16" in page
+    # the titles as the browser reads them: plotly writes "·" as is or as \u00b7, by which JSON encoder
+    # it finds (orjson or the standard library's)
+    texts = " ".join(shown_strings(page))
+    assert page.count("plotly") > 10 and "base · full" in texts and "swa · window 16" in texts
     assert page.count("Plotly.newPlot") == 3
     single = x.grid.export_html(tmp_path / "grid.html").read_text()
     assert single.count("Plotly.newPlot") == 1
@@ -206,7 +231,7 @@ def test_a_remote_session_is_followed_and_driven_from_the_explorer():
     with Session("demo", settings=DEMO_SETTINGS, workload=WORKLOAD) as session, \
             SessionServer("127.0.0.1", port) as server:
         server.start(session)
-        remote = RemoteSession(server.command_address, timeout=5)
+        remote = RemoteSession(server.command_address, token=server.token, timeout=5)
         x = Explorer(remote, columns=32)
         try:
             assert x.timeline is None and x._ticker is not None, "a remote session is followed by the browser's ticks"
@@ -350,3 +375,113 @@ def test_a_large_grid_redraws_less_often_by_default():
     finally:
         for x in (small, big, given):
             x.close()
+
+
+def test_the_engine_log_panel_shows_the_sessions_lines_by_level(explorer, caplog):
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="kvscope")  # pytest listens here: the session keeps what is made
+    say = logging.getLogger("kvscope.generate")
+    x = explorer
+    assert x.session_log.level.value == "info" and "no line at info or above yet" in x.session_log.text.value
+    x.session.call(lambda: (say.info("llama_context: n_ctx = 256"), say.debug("a debug line"),
+                            say.warning("context full, swapping: n_past = 111, n_left = 110")))
+    logging.getLogger("kvscope.generate").warning("a line of no session")  # this thread, outside a command
+    x.session.step(1).result()  # a step redraws the explorer
+    shown = x.session_log.text.value
+    assert "llama_context: n_ctx = 256" in shown and "context full, swapping: n_past = 111" in shown
+    assert "a debug line" not in shown and "a line of no session" not in shown
+    assert "color:#B8860B'>context full" in shown  # a warning reads as one
+    x.session_log.level.value = "warning"
+    assert "context full" in x.session_log.text.value and "n_ctx = 256" not in x.session_log.text.value
+    assert "1 line at warning and above" in x.session_log.summary.value
+    x.session_log.level.value = "debug"  # kept from now on
+    assert x.session.log.level == "debug"
+    x.session.call(lambda: say.debug("after swap: n_past = 56"))
+    x.session.step(1).result()
+    assert "after swap: n_past = 56" in x.session_log.text.value
+    assert "a debug line" not in x.session_log.text.value  # made before debug was chosen: not kept
+
+
+def test_the_explorer_keeps_the_engine_log_out_of_the_notebook_cells():
+    """In a kernel nobody configures logging: a line the worker logs while the explorer's session generates
+    went, through Python's last resort, to stderr, which Jupyter shows under whichever cell runs next."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import time
+        from engine.runners.session import Session
+        from engine.runners.workloads import WorkloadSpec
+        from explorer import Explorer
+
+        session = Session("demo", settings=dict(n_ctx=32, pad=32, n_seq_max=1), threads=1,
+                          workload=WorkloadSpec("generate", n_predict=40, context_shift=True))
+        x = Explorer(session, history=False)
+        session.add_prompt("And God said").result()
+        session.step(40).result()
+        deadline = time.monotonic() + 30
+        while "context full" not in x.session_log.text.value and time.monotonic() < deadline:
+            time.sleep(0.1)  # the worker's redraw after the last step
+        print(x.session_log.text.value)
+        x.close()
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    assert "context full, swapping: n_past = 31" in done.stdout
+
+
+def test_the_pacer_skips_ticks_that_queued_behind_a_slow_redraw():
+    from explorer.pacing import RedrawPacer
+
+    pacer = RedrawPacer(every_s=0.2)
+    assert pacer.due(now=0.0)
+    pacer.drawn(0.0, 0.5)  # 0.5 s: the ticks of 0.2 and 0.4 s waited in the kernel meanwhile
+    assert not pacer.due(now=0.5) and not pacer.due(now=0.51)
+    assert pacer.due(now=1.0) and pacer.skipped == 2
+    for started in (1.0, 2.0):
+        pacer.drawn(started, started + 0.5)
+    assert pacer.slowed() == 0.5  # a redraw takes longer than the cadence allows
+    fast = RedrawPacer(every_s=0.2)
+    for started in (0.0, 0.2, 0.4):
+        fast.drawn(started, started + 0.05)
+    assert fast.slowed() is None and fast.due(now=0.6)  # the next tick, 0.2 s on
+
+
+def test_views_slower_than_the_cadence_redraw_less_often_and_say_so():
+    """Backpressure: a slow grid makes the worker's redraws of a running session come less often (each draws
+    the state the steps meanwhile left), and the status line says that the views are behind."""
+    import time
+
+    session = Session("demo", settings=DEMO_SETTINGS, workload=WORKLOAD, steps_per_second=20)
+    x = Explorer(session, columns=32, history=False, every_s=0.05)
+    try:
+        draw_grid = x.grid.update
+
+        def slow_grid_update():
+            time.sleep(0.25)
+            return draw_grid()
+
+        x.grid.update = slow_grid_update
+        redraws_before = len(x.update_seconds)
+        session.start().result()
+        time.sleep(3.0)
+        session.pause().result()
+        time.sleep(0.8)  # the last redraw, after the pause
+        redraws = len(x.update_seconds) - redraws_before
+        # 0.25 s of drawing, then 0.25 s of steps at 20 per second: about 5 (fewer on a busy machine), not 1
+        assert session.status().step / redraws >= 2.5, (session.status().step, redraws)
+        assert "views behind: a redraw takes" in x.status.value and "redrawing at most every" in x.status.value
+        engine = x.session.engine_cells().result()["base"]["cells"][0]
+        assert ((grid_owners(x) != EMPTY_BAND) == np.array([pos >= 0 for pos, _, _ in engine])).all()
+
+        x.update()
+        x._tick()  # a follow tick (a remote session's) that queued behind that redraw is skipped and counted
+        assert x.pacer.skipped == 1
+        time.sleep(0.6)
+        x._tick()
+        assert x.pacer.skipped == 1 and "1 tick skipped" in x.status.value
+    finally:
+        x.close()

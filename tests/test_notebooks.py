@@ -1,8 +1,10 @@
 """The teaching notebooks (notebooks/) run top to bottom on the demo model, as a reader runs them, and are
 kept in the repository without outputs. A notebook's own asserts (a shifted cache's logits against a fresh
-run, a slot search that must fail, ...) fail this test when the engine stops behaving as its prose says."""
+run, a slot search that must fail, ...) fail this test when the engine stops behaving as its prose says. A
+notebook leaves the reader's folder as it found it, and asserts nothing a busy machine's clock decides."""
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -34,13 +36,53 @@ def test_notebook_is_stored_stripped_and_valid(path: Path) -> None:
     assert any("Exercises" in line for line in headings), f"{path.name} has no Exercises section"
 
 
+def execute(notebook: nbformat.NotebookNode, folder: Path) -> None:
+    """Run every cell in a fresh kernel whose working folder is `folder`, as a reader's JupyterLab does."""
+    client = nbclient.NotebookClient(notebook, timeout=240, kernel_name="python3",
+                                     resources={"metadata": {"path": str(folder)}})
+    client.execute()  # raises CellExecutionError naming the cell and the traceback
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_top_to_bottom(path: Path, tmp_path: Path) -> None:
     notebook = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(notebook, timeout=240, kernel_name="python3",
-                                     resources={"metadata": {"path": str(tmp_path)}})
     t0 = time.monotonic()
-    client.execute()  # raises CellExecutionError naming the cell and the traceback
+    execute(notebook, tmp_path)
     print(f"{path.name}: {time.monotonic() - t0:.1f} s")
     errors = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs if o.output_type == "error"]
     assert not errors
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert not written, f"{path.name} wrote {written} into the folder it runs in: write into a temporary folder"
+
+
+# Every interval that code in the notebook times (functions its cells define included) lasts exactly 1 ms; the
+# engine's own timing, which reads the clock from its modules, keeps the real one.
+EQUAL_CLOCK = """\
+import sys, time
+_clock_reads = [0]
+def _equal_clock(real, reads=_clock_reads, frame=sys._getframe):  # no globals: the engine reads it at exit too
+    def clock():
+        if frame(1).f_globals.get("__name__") != "__main__":
+            return real()
+        reads[0] += 1
+        return reads[0] * 1e-3
+    return clock
+time.perf_counter, time.monotonic, time.time = (_equal_clock(f) for f in (time.perf_counter, time.monotonic, time.time))
+"""
+CLOCK_READS = re.compile(r"\btime\.(perf_counter|monotonic|time)\(")
+TIMING_NOTEBOOKS = [p for p in NOTEBOOKS if CLOCK_READS.search(p.read_text(encoding="utf-8"))]
+
+
+def test_the_clock_check_finds_the_notebooks_that_time() -> None:
+    assert "01-what-a-kv-cache-is" in [p.stem for p in TIMING_NOTEBOOKS]
+
+
+@pytest.mark.parametrize("path", TIMING_NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_asserts_nothing_about_the_clock(path: Path, tmp_path: Path) -> None:
+    """On a shared machine any step can stall (a notebook once failed one run in four on `with the cache <
+    without` in seconds). What a notebook asserts must hold whatever the clock says: here every interval it
+    times is the same, so a cached step is as slow as a recomputed one and a prefill as slow as a decode."""
+    notebook = nbformat.read(path, as_version=4)
+    notebook.cells.insert(0, nbformat.v4.new_code_cell(EQUAL_CLOCK))
+    notebook.cells.append(nbformat.v4.new_code_cell("assert _clock_reads[0] > 100, _clock_reads  # it timed under this clock"))
+    execute(notebook, tmp_path)

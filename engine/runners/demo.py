@@ -1,10 +1,10 @@
 """What `kvscope` with no arguments and the notebook's `Explorer()` run: the bundled demo model under llama.cpp's parallel workload, with
 settings that make the cache's behaviour show within seconds: a small cache shared by four clients whose
 slots (112 positions each, as llama-server's) together claim more than its 256 cells. So sliding windows
-slide (a 16-token window; swa_full keeps the SWA cache shiftable), finished requests free their cells, a
-client that fills its slot is context-shifted (its prompt kept, half of its answer discarded; first at
-about step 40), and a slot search now and then fails and is retried with a smaller batch (first at
-about step 38)."""
+slide (a 16-token window, where the model's own is 64; swa_full keeps the SWA cache shiftable), finished
+requests free their cells, a client that fills its slot is context-shifted (its prompt kept, half of its
+answer discarded; first at about step 40), and a slot search now and then fails and is retried with a
+smaller batch (first at about step 38)."""
 from __future__ import annotations
 
 from engine.runners.session import Session
