@@ -554,8 +554,8 @@ async def test_a_replay_opens_at_its_end_and_says_where_it_stands(hand_recording
         app.refresh_view()
         lines = screen_lines(app)
         assert f"kvscope · {model}" in lines[0] and f"event 0 of {n}" in lines[-2] and "no decode yet" in lines[-2]
-        await pilot.press("space")  # plays from where it stands
-        assert app.playing
+        await pilot.press("space")  # plays from where it stands (a short recording may reach its end at once)
+        assert app.playing or replay.position > 0
 
 
 @pytest.mark.parametrize("size", SIZES)

@@ -147,7 +147,12 @@ def test_main_screen_with_the_cursor_on_a_shifted_cell(snap_compare, demo_record
 @pytest.mark.parametrize("size", SIZES)
 def test_help_screen(snap_compare, demo_recording, size):
     """The help reflowed to the dialog's width: tables whose meanings wrap under themselves, no orphans."""
-    assert snap_compare(replay_app(demo_recording), terminal_size=size, press=["question_mark"])
+    async def help_over_a_settled_screen(pilot) -> None:  # the log's scrollbar shows behind the dialog
+        await as_opened(pilot)
+        await pilot.press("question_mark")
+        await pilot.pause()
+
+    assert snap_compare(replay_app(demo_recording), terminal_size=size, run_before=help_over_a_settled_screen)
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -167,7 +172,7 @@ def test_a_recording_cut_short(snap_compare, demo_recording, tmp_path, monkeypat
 
 @pytest.mark.parametrize("size", SIZES)
 def test_the_inspector_on_a_request_that_ended_in_an_error(snap_compare, demo_recording, size):
-    """The cell's story says why the request ended: the failed decode's own words."""
+    """The cell's story says why the request ended, in the runner's own words."""
     async def on_the_cell(pilot) -> None:
         await at_the_end(pilot)
         app = pilot.app
