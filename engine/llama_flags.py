@@ -486,7 +486,7 @@ def workload_spec(args: argparse.Namespace):
         from engine.runners.server.conversations import load_script
 
         load_script(args.chat)  # a bad script is told before the model loads
-    return WorkloadSpec(**{**settings, "sampler": sampler_params(args)})
+    return WorkloadSpec(**settings)  # it makes (and checks) the SamplerParams of the sampler's settings
 
 
 def session_settings(args: argparse.Namespace) -> tuple[dict, object]:

@@ -37,7 +37,7 @@ import zmq
 
 from engine import events as ev
 from engine.errors import KvscopeError
-from engine.runners import served_files
+from engine.runners.served_files import COMMANDS as FILE_COMMANDS
 from engine.runners.served_files import MAX_STATE_BYTES, ServedFiles
 from engine.watch.codec import CodecError, encode_event
 from engine.watch.protocol import (
@@ -303,7 +303,7 @@ class SessionServer:
             return self._queries.submit(QUERIES[cmd], self.session, *args, **kwargs)
         if cmd == "engine_cells":
             return engine_cells(self.session)
-        if cmd in served_files.COMMANDS:  # the ones that name files or carry a state
+        if cmd in FILE_COMMANDS:  # the ones that name files or carry a state
             return getattr(self.files, cmd)(self.session, *args, **kwargs)
         if cmd in SESSION_COMMANDS:
             return getattr(self.session, cmd)(*args, **kwargs)

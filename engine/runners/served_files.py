@@ -76,15 +76,12 @@ class ServedFiles:
         return session.load_model(str(self.models.resolve(path, "load_model")), dtype, **settings)
 
     def set_workload(self, session, workload, **options) -> Future:
-        """Session.set_workload from plain values: a workload given as a map (a WorkloadSpec's fields), a
-        sampler as a map of SamplerParams' fields; a chat script is a name in the state folder."""
-        from engine.sampling import SamplerParams
-
+        """Session.set_workload from plain values: a workload given as a map (a WorkloadSpec's fields; a
+        sampler as a map of SamplerParams' fields, which WorkloadSpec takes as it is); a chat script is a name
+        in the state folder."""
         if isinstance(workload, dict):
             options = {**workload, **options}
             workload = options.pop("kind", "idle")
-        if isinstance(options.get("sampler"), dict):
-            options["sampler"] = SamplerParams(**options["sampler"])
         if options.get("chat"):  # "": the built-in conversations
             options["chat"] = str(self.states.resolve(options["chat"], "set_workload"))
         return session.set_workload(workload, **options)
