@@ -160,6 +160,23 @@ class CellsShifted(CellsChanged):
     old_pos: tuple[np.ndarray, ...] = ()
 
 
+POS_UNKNOWN = 2**31 - 1  # a held cell whose position its source did not say (a log's unreadable position row)
+
+
+@dataclass(frozen=True, eq=False)
+class CellsSeen(CellsChanged):
+    """Cells as a log's slot-search dump showed them: a real llama.cpp read from its own log
+    (engine/watch/llama_log). `changes` holds the cells that differ from the previous dump of their stream
+    (all of them for a stream's first dump). What a dump cannot tell is marked, never invented:
+    uncertain[k][j] is True where cell changes[k].cells[j] is shared by several sequences ('M') and its
+    seq_bits are only the sequences that may hold it (those whose min..max covers its position); a pos of
+    POS_UNKNOWN is a held cell whose position the dump's row did not give. A dump shows no pending shift:
+    shift is 0. `ubatch` counts the slot searches since the log began."""
+
+    ubatch: int = -1
+    uncertain: tuple[np.ndarray, ...] = ()
+
+
 @dataclass(frozen=True, eq=False)
 class SlotsRolledBack(CellsChanged):
     """The dry run of a decode restored the cells and heads it had tentatively changed."""
@@ -461,6 +478,33 @@ class ServerTaskFinished(Event):
     n_kept: int
     label: str = ""
     error: str = ""
+
+
+@dataclass(frozen=True, eq=False)
+class LogStats(Event):
+    """How the reading of a llama.cpp log goes (engine/runners/attach.py): bytes and lines read, lines not
+    understood (skipped), slot-search dumps read and dumps dropped to keep up (the next dump of a stream is
+    a full keyframe of it, so a drop delays the picture and loses nothing of the end state)."""
+
+    source: str  # "llama-server (pid 1234)", a log file's path
+    bytes: int
+    lines: int
+    skipped: int
+    dumps: int
+    dumps_dropped: int
+    behind_bytes: int = 0  # read from the process or file and not parsed yet
+
+
+@dataclass(frozen=True, eq=False)
+class ProcessExited(Event):
+    """A process kvscope attached to ended: its exit status (negative: killed by that signal) and the last
+    lines it printed."""
+
+    program: str
+    pid: int
+    returncode: int
+    last_lines: tuple[str, ...] = ()
+    ended_by_kvscope: bool = False  # kvscope ended it (quit, Ctrl+C, SIGTERM), rather than it ending itself
 
 
 @dataclass(frozen=True, eq=False)

@@ -460,7 +460,7 @@ class KVCache:
             did = True
         if any(c.has_shift for c in self.v_cells):
             self._check_shift("update")
-            log.debug("applying K-shift")
+            log.debug("update: applying K-shift")  # llama_kv_cache::update, "%s: applying K-shift"
             self._apply_k_shift()
             did = True
         return did

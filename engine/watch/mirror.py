@@ -29,6 +29,12 @@ class StreamState:
     shift: np.ndarray
     seq_bits: np.ndarray  # (size, 32) uint8: each cell's sequence bitset, little-endian bit order
     head: int = 0
+    # cells whose seq_bits are only the sequences that may hold them (a log's 'M' cell, engine.events.CellsSeen);
+    # None while there are none, so that the engine's events pay nothing for it
+    uncertain: np.ndarray | None = None
+
+    def uncertain_cells(self) -> np.ndarray:
+        return np.zeros(0, dtype=np.int64) if self.uncertain is None else np.flatnonzero(self.uncertain)
 
     @property
     def seq(self) -> np.ndarray:
@@ -141,6 +147,8 @@ class CacheMirror:
         if event.tentative and isinstance(event, ev.CellsAllocated):
             return  # undone by the SlotsRolledBack that follows (see the module docstring)
         size = cache.size
+        if isinstance(event, ev.CellsSeen):
+            self._mark_uncertain(cache, event)
         for change in event.changes:
             st = cache.streams[change.stream]
             cells = change.cells
@@ -154,9 +162,20 @@ class CacheMirror:
                 st.pos[cells] = change.pos
                 st.shift[cells] = change.shift
                 st.seq_bits[cells] = change.seq_bits
+            if st.uncertain is not None and not isinstance(event, ev.CellsSeen):
+                st.uncertain[change.cells] = False  # the engine's events say exactly who holds a cell
             st.head = change.head
         if isinstance(event, ev.MemorySnapshot):
             self.stale = False
+
+    @staticmethod
+    def _mark_uncertain(cache: CacheState, event: ev.CellsSeen) -> None:
+        for change, flags in zip(event.changes, event.uncertain or [None] * len(event.changes)):
+            st = cache.streams[change.stream]
+            if flags is not None and flags.any() and st.uncertain is None:
+                st.uncertain = np.zeros(cache.size, dtype=bool)
+            if st.uncertain is not None:
+                st.uncertain[change.cells] = flags if flags is not None else False
 
     # ---- the same views as the engine's memory ------------------------------------------------
     def cells(self, stream: int = 0, cache: str = "kv") -> list[tuple[int, frozenset[int], int]]:
@@ -184,6 +203,7 @@ class CacheMirror:
             events += [e for e in (self.vocabulary, self.last_decode) if e is not None]
             events += list(self.sequences.values())
             events += [self._snapshot_event(cache) for cache in self.caches.values()]
+            events += [e for cache in self.caches.values() for e in self._uncertain_event(cache)]
             if self.stale:
                 events.append(ev.EventsDropped(self.stats.dropped, -1, -1))
             for event in events:
@@ -198,6 +218,18 @@ class CacheMirror:
             ev.StreamCells(s, every_cell, st.pos.copy(), st.shift.copy(), st.seq_bits.copy(), st.head)
             for s, st in enumerate(cache.streams)))
 
+    @staticmethod
+    def _uncertain_event(cache: CacheState) -> list[ev.CellsSeen]:
+        """The cells whose sequences are only possible ones, restated as such after the snapshot."""
+        changes, flags = [], []
+        for s, st in enumerate(cache.streams):
+            cells = st.uncertain_cells()
+            if len(cells):
+                changes.append(ev.StreamCells(s, cells, st.pos[cells], st.shift[cells], st.seq_bits[cells], st.head))
+                flags.append(np.ones(len(cells), dtype=bool))
+        return [ev.CellsSeen(cache=cache.name, changes=tuple(changes), uncertain=tuple(flags),
+                             cause="restated")] if changes else []
+
     def snapshot(self) -> dict:
         """The state as plain data (dicts, lists, numbers, numpy arrays), for comparing two mirrors.
         Statistics (events applied, per-kind counts) are not state and are left out, and so is the `time`
@@ -206,7 +238,8 @@ class CacheMirror:
         with self._lock:
             return {
                 "caches": {name: [{"pos": st.pos.copy(), "shift": st.shift.copy(), "seq_bits": st.seq_bits.copy(),
-                                   "head": st.head} for st in cache.streams] for name, cache in self.caches.items()},
+                                   "head": st.head, "uncertain": st.uncertain_cells()} for st in cache.streams]
+                           for name, cache in self.caches.items()},
                 "created": {name: record_data(e, skip=SNAPSHOT_SKIPS) for name, e in self.created.items()},
                 "vocabulary": record_data(self.vocabulary, skip=SNAPSHOT_SKIPS),
                 "last_decode": record_data(self.last_decode, skip=SNAPSHOT_SKIPS),

@@ -13,14 +13,17 @@ class Source:
     """A session-like object (Session or RemoteSession) and its watcher, or a replay. `live` is False for
     a replay, whose controls are the replay's (step back and forth, seek)."""
 
-    kind: str  # "session", "remote" or "replay"
+    kind: str  # "session", "remote", "replay" or "attached"
     own_watcher: Watcher | None = None
     session: Any = None  # Session or RemoteSession: start, pause, step, add_prompt, seq_rm, ...
     replay: Any = None  # engine.watch.replay.Replay of a recording
     label: str = ""
+    attached: Any = None  # engine.runners.attach.AttachedLog: a real llama.cpp's log, read as it comes
 
     @property
     def live(self) -> bool:
+        """Whether the source takes commands (step, prompt, seq ops): a session does; a replay and an
+        attached llama.cpp process do not (what cannot be sent to a real process is not offered)."""
         return self.session is not None
 
     @property
@@ -33,6 +36,8 @@ class Source:
             self.session.close()
         if self.replay is not None:
             self.replay.close()
+        if self.attached is not None:
+            self.attached.close()
 
 
 def session_source(session, label: str = "") -> Source:
@@ -41,6 +46,11 @@ def session_source(session, label: str = "") -> Source:
 
 def remote_source(remote, label: str = "") -> Source:
     return Source("remote", Watcher.of(remote), session=remote, label=label)
+
+
+def attached_source(attached, label: str = "") -> Source:
+    """A llama.cpp process's log (or a saved log) as the explorer's source: watched, never driven."""
+    return Source("attached", Watcher.of(attached), attached=attached, label=label or attached.label)
 
 
 def replay_source(path) -> Source:
