@@ -63,8 +63,10 @@ def dumps_in(text: str) -> list[dict]:
             current["map"].append(line)
         elif set(line) <= set(".0123456789 *") and current["map"]:
             current["pos"].append(line)
-        else:
-            current = None  # another line: the dump is over (llama-server's other threads come between entries)
+        elif not splitter.prefixed_log:
+            current = None  # another line: the dump is over
+        # in a log of prefixed entries another thread's entry may come between two of the dump's (llama-server's
+        # HTTP threads do): the dump goes on until the next one
     return found
 
 
@@ -225,9 +227,13 @@ def test_windows_line_ends_colours_and_prefixes():
     # common/log's prefix on every message's first line, colour codes around the level and the function
     prefixed, t = [], 0
     previous = ""
+
+    def row(line: str) -> bool:
+        return bool(line) and set(line.rstrip(" *")) <= set(".M0123456789 ")
+
     for line in text.split("\n"):
-        continues = previous == "" and (set(line.rstrip(" *")) <= set(".M0123456789 ")) and line
-        if continues or (not line and previous and set(previous.rstrip(" *")) <= set(".M0123456789 ")):
+        # a message's lines after its first (a dump's rows, the newline that ends them) carry no prefix
+        if row(line) or (not line and row(previous)):
             prefixed.append(line)
         else:
             t += 1

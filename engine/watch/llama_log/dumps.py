@@ -24,8 +24,6 @@ from engine.events import POS_UNKNOWN, SEQ_BITS_BYTES
 SUMMARY = re.compile(r"find_slot: stream\[(\d+)\], n = +(-?\d+), used = +(\d+), head = +(\d+), size = +(\d+), "
                      r"n_swa = +(-?\d+)\s*$")
 MIN_MAX = re.compile(r"find_slot: stream\[(\d+)\] min\[(\d+)\] = +(-?\d+), max\[(\d+)\] = +(-?\d+)\s*$")
-MAP_ROW = re.compile(r"[.M0-9]+( \*)?\s*$")
-POS_ROW = re.compile(r"[.0-9][.0-9 ]*( \*)?\s*$")
 MAP_TOKEN = re.compile(r"\.|M|\d+")
 CELLS_PER_MAP_ROW = 256
 CELLS_PER_POS_ROW = 64

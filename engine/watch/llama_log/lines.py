@@ -37,6 +37,10 @@ class LineSplitter:
         self.prefixed_log = False  # a time prefix was seen: look for prefixes inside lines too
 
     def feed(self, data: str | bytes) -> list[LogLine]:
+        return [line for raw in self.split(data) for line in self.clean(raw)]
+
+    def split(self, data: str | bytes) -> list[str]:
+        """The complete lines in what came so far, as they are (clean() them, or read a dump's rows raw)."""
         text = self._decode(data)
         if not text:
             return []
@@ -46,7 +50,7 @@ class LineSplitter:
             self._tail = text
             return []
         self._tail = text[cut + 1:]
-        return self._clean(text[:cut].split("\n"))
+        return text[:cut].split("\n")
 
     def finish(self) -> list[LogLine]:
         """The partial last line, as it is (the log ended there)."""
@@ -77,19 +81,20 @@ class LineSplitter:
         return (data[:len(data) - keep] if keep else data).decode("utf-8", errors="replace")
 
     def _clean(self, raw_lines: list[str]) -> list[LogLine]:
-        out = []
-        for raw in raw_lines:
-            if raw.endswith("\r"):
-                raw = raw[:-1]
-            if "\x1b" in raw:
-                raw = ANSI_ESCAPE.sub("", raw)
-            if self.prefixed_log and len(raw) > 16 and PREFIX_INSIDE.search(raw, 1):
-                pieces = PREFIX_INSIDE.split(raw)
-            else:
-                pieces = (raw,)
-            for piece in pieces:
-                out.append(self._line(piece))
-        return out
+        return [line for raw in raw_lines for line in self.clean(raw)]
+
+    def clean(self, raw: str) -> list[LogLine]:
+        """One raw line, without its line end, colour codes and prefix; several where a message without a
+        final newline ran into the next entry's prefix."""
+        if raw.endswith("\r"):
+            raw = raw[:-1]
+        if "\x1b" in raw:
+            raw = ANSI_ESCAPE.sub("", raw)
+        # the level letter between spaces is the cheap sign of a prefix inside (rows of a dump never have one)
+        if (self.prefixed_log and len(raw) > 16 and (" D " in raw or " I " in raw or " W " in raw or " E " in raw)
+                and PREFIX_INSIDE.search(raw, 1)):
+            return [self._line(piece) for piece in PREFIX_INSIDE.split(raw)]
+        return [self._line(raw)]
 
     def _line(self, raw: str) -> LogLine:
         if not raw or not (raw[0].isdigit() or raw[1:2] == " "):

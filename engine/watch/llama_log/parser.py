@@ -20,7 +20,7 @@ import numpy as np
 
 from engine import events as ev
 from engine.watch.llama_log.context_lines import ContextLines
-from engine.watch.llama_log.dumps import MAP_ROW, MIN_MAX, POS_ROW, SUMMARY, DumpError, RawDump, StreamPicture, decode
+from engine.watch.llama_log.dumps import MIN_MAX, SUMMARY, DumpError, RawDump, StreamPicture, decode
 from engine.watch.llama_log.lines import LineSplitter, LogLine
 from engine.watch.llama_log.server_lines import Removal, ServerLines
 from engine.watch.mirror import CacheMirror
@@ -31,6 +31,8 @@ MEMORY_CALL = re.compile(r"llama_memory_(seq_rm|seq_cp|seq_keep|seq_add|seq_div|
 # the shape of a llama.cpp log line ("function: text", common's "que  start_loop: ..."): such a line that says
 # nothing about the cache counts as another line of llama.cpp, not as one the parser failed to understand
 LLAMA_LINE = re.compile(r"(?:[a-z]{3,4} +)?~?[A-Za-z_][\w.:~()]*: ")
+MAP_LABELS = ".M0123456789"  # what a cell map's row is made of, before its " *"
+POS_START, POS_CHARS = ".0123456789", ".0123456789 *"
 SLOT_FAILED = re.compile(r"decode: failed to find a memory slot for batch of size (\d+)")
 DECODE_FAILED = re.compile(r"llama_decode: failed to decode, ret = (-?\d+)")
 
@@ -78,6 +80,7 @@ class LlamaLogParser:
         self._dump: RawDump | None = None
         self._dump_cache = ""
         self._dump_ubatch = 0
+        self._dump_ops_at = 0
         self._last_summary: tuple | None = None
         self._waiting: dict[tuple[str, int], tuple[RawDump, int, int]] = {}  # coalesced: the last dump per stream
         self._out: list[ev.Event] = []
@@ -86,13 +89,51 @@ class LlamaLogParser:
     # ---- input ------------------------------------------------------------------------------------
     def feed(self, data: str | bytes) -> list[ev.Event]:
         self.stats.bytes += len(data)
-        for line in self._splitter.feed(data):
-            self._line(line)
+        raws = self._splitter.split(data)
+        i, n = 0, len(raws)
+        while i < n:
+            if self._dump is not None and (self._dump.wants_map or self._dump.wants_pos and self._dump.map_rows):
+                i = self._take_rows(raws, i)  # a dump's rows, many at a time: most of a log's bytes
+                if i >= n:
+                    break
+            for line in self._splitter.clean(raws[i]):
+                self._line(line)
+            i += 1
         return self._flush()
+
+    def _take_rows(self, raws: list[str], i: int) -> int:
+        """Take the open dump's map or position rows from raws[i:]; answers where other lines begin."""
+        dump = self._dump
+        map_left = dump.map_rows_expected - len(dump.map_rows)
+        pos_left = dump.pos_rows_expected - len(dump.pos_rows)
+        n, taken = len(raws), 0
+        while i < n and (map_left or pos_left):
+            row = raws[i]
+            if row.endswith("\r"):
+                row = row[:-1]
+            if not row:
+                i += 1
+                taken += 1
+                continue
+            if map_left:
+                body = row[:-2] if row.endswith(" *") else row.rstrip()
+                if not body or body.strip(MAP_LABELS):
+                    break
+                dump.map_rows.append(row)
+                map_left -= 1
+            else:
+                if row[0] not in POS_START or row.strip(POS_CHARS):
+                    break
+                dump.pos_rows.append(row)
+                pos_left -= 1
+            i += 1
+            taken += 1
+        self.stats.lines += taken
+        return i
 
     def idle(self) -> list[ev.Event]:
         """No input came for a while: a dump that has its cells is complete (its min/max lines come at once)."""
-        if self._dump is not None and (self._dump.has_cells or not self._dump.map_rows):
+        if self._dump is not None and self._dump.has_cells:
             self._end_dump()
         return self._flush()
 
@@ -149,21 +190,17 @@ class LlamaLogParser:
     def _dump_line(self, dump: RawDump, text: str) -> bool:
         """True when the line belongs to the open dump."""
         if not text:
-            return True  # the newlines around the map and the positions
-        if dump.wants_map and MAP_ROW.match(text):
-            dump.map_rows.append(text)
-            return True
-        if dump.wants_pos and dump.map_rows and POS_ROW.match(text):
-            dump.pos_rows.append(text)
-            return True
+            return True  # the newlines around the map and the positions (the rows are taken by _take_rows)
         if text.startswith("find_slot: stream[") and "min[" in text:
             m = MIN_MAX.match(text)
             if m and int(m.group(1)) == dump.stream:
                 dump.ranges[int(m.group(2))] = (int(m.group(3)), int(m.group(5)))
                 return True
-        if dump.has_cells or not dump.map_rows:
-            self._end_dump()  # complete (or a summary without cells), and this line is the next thing
-        # else: another thread's line between the map and the positions; the dump stays open
+        if dump.has_cells and not self._splitter.prefixed_log:
+            self._end_dump()  # complete, and this line is the next thing
+        # else: in a log of entries (common/log's prefixes), another thread's entry may come between any two
+        # of the dump's (llama-server's HTTP threads do): the dump stays open until the next dump, a pause
+        # (idle) or the end, so that none of its rows or min/max lines is lost
         return False
 
     def _other_line(self, text: str, level: str) -> bool:
@@ -233,7 +270,8 @@ class LlamaLogParser:
             self.ubatch += 1
         self._last_summary = key
         self._dump = RawDump(stream, n, used, head, size, n_swa)
-        self._dump_cache, self._dump_ubatch = cache, self.ubatch
+        # the operations a line announced before this dump are the ones its picture shows done
+        self._dump_cache, self._dump_ubatch, self._dump_ops_at = cache, self.ubatch, len(self._ops)
 
     def _end_dump(self) -> None:
         raw, cache, ubatch = self._dump, self._dump_cache, self._dump_ubatch
@@ -243,7 +281,7 @@ class LlamaLogParser:
         if not raw.has_cells:
             self._head_only(raw, cache)
             return
-        ops_at = len(self._ops)
+        ops_at = self._dump_ops_at
         if self.coalesce:
             if key in self._waiting:
                 self.stats.dumps_dropped += 1
