@@ -414,6 +414,19 @@ class ServerTaskStarted(Event):
     similarity: float  # common prefix / new prompt length (-1: not computed)
     n_prompt: int
     label: str = ""
+    n_ctx_slot: int = -1  # the slot's context (-1: not known)
+
+
+@dataclass(frozen=True, eq=False)
+class ServerContextShifted(Event):
+    """A slot's sequence reached the end of its context and llama-server made room (--context-shift): it
+    kept the first n_keep tokens, discarded the n_discard after them and moved the rest back."""
+
+    slot: int
+    task: int
+    n_keep: int
+    n_left: int
+    n_discard: int
 
 
 @dataclass(frozen=True, eq=False)

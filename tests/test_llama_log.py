@@ -359,3 +359,51 @@ def test_kvscope_own_dump_parsed_gives_the_runs_cells(monkeypatch):
         assert np.array_equal(st.seq_bits[~certain] & true_bits[~certain], true_bits[~certain]), f"dump {k}"
     assert certain.sum() < len(certain)  # some shared cells stay open (seqs 0-11 all cover positions 0-3)
     assert parser.stats.dumps_damaged == 0 and parser.stats.skipped == 0
+
+
+# ---- kvscope's server simulation writes llama-server's lines: read back, they give its own events ------------------
+def test_the_server_simulations_log_read_back_gives_its_events():
+    """The simulation (engine/runners/server/) writes its slot lines as llama-server does; the parser reading them
+    gives the simulation's own server events, for every field the lines carry: the four requests of the
+    fixture's chat, then a slot that fills up and shifts its context."""
+    import random as rnd
+
+    from engine.runners.server.server import Task
+    from tests.test_server_sim import server, the_logged_chat
+
+    model = gemma3_16_model()
+    sims = [server(model), server(model, swa_full=True, context_shift=True)]
+    the_logged_chat(sims[0])
+    rng = rnd.Random(9)
+    sims[1].submit(Task([rng.randrange(3, 500) for _ in range(500)], n_predict=20, id_slot=0, n_keep=10))
+    sims[1].run()
+    for sim in sims:
+        parser = LlamaLogParser()
+        events = parser.feed("\n".join(sim.log.lines) + "\n") + parser.finish()
+        theirs = sim.finished
+        finished = [e for e in events if isinstance(e, ev.ServerTaskFinished)]
+        assert [(e.slot, e.task, e.n_prompt, e.n_cached, e.n_processed, e.n_generated, e.stop, e.n_kept) for e in finished] == [
+            (e.slot, e.task, e.n_prompt, e.n_cached, e.n_processed, e.n_generated, e.stop, e.n_kept) for e in theirs]
+        assert parser.stats.skipped == 0
+    shifted = [e for e in events if isinstance(e, ev.ServerContextShifted)]
+    assert [(e.slot, e.task, e.n_keep, e.n_left, e.n_discard) for e in shifted] == [(0, 0, 11, 500, 250)]
+    started = [e for e in events if isinstance(e, ev.ServerTaskStarted)]
+    assert [(e.slot, e.task, e.n_prompt, e.n_ctx_slot) for e in started] == [(0, 0, 500, 512)]
+
+
+_GEMMA3_16 = []
+
+
+def gemma3_16_model():
+    """The model of tests/test_server_sim.py's gemma3_16 fixture (the shape behind the server fixture log)."""
+    if not _GEMMA3_16:
+        import tempfile
+
+        import engine
+        from engine.testing import write_hf_model
+
+        folder = write_hf_model(Path(tempfile.mkdtemp()) / "gemma3-w16", "gemma3", n_layer=6, n_embd=128, n_head=4,
+                                n_head_kv=2, n_ff=256, vocab_size=512, seed=2, rope_theta=1e6, n_ctx_train=512,
+                                sliding_window=16)
+        _GEMMA3_16.append(engine.load_model(folder))
+    return _GEMMA3_16[0]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from engine import events as ev
 
 SERVER_EVENTS = (ev.ServerTaskStarted, ev.ServerPromptReused, ev.CheckpointChanged, ev.ServerTaskFinished,
-                 ev.ServerSlotChanged)
+                 ev.ServerSlotChanged, ev.ServerContextShifted)
 OUTCOMES = ("new", "kept", "restored", "forced", "error")  # of a prompt: what the slot's cache served
 OUTCOME_TEXT = {"new": "nothing kept yet", "kept": "prefix reused", "restored": "checkpoint restored",
                 "forced": "full re-processing forced", "error": "failed"}
@@ -43,6 +43,7 @@ class TurnView:
     n_processed: int = 0
     n_generated: int = 0
     stop: str = ""  # "" while it runs
+    context_shifts: int = 0  # times llama-server made room in the slot during this task
 
     @property
     def reused(self) -> int:
@@ -69,6 +70,12 @@ class SlotView:
     turns: collections.deque = field(default_factory=lambda: collections.deque(maxlen=ServerSlots.KEPT_TURNS))
     checkpoints: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # n_tokens -> (pos_min, pos_max, bytes)
     n_kept: int = 0  # tokens the slot keeps for its next task
+    n_ctx_slot: int = -1  # the slot's context, once a task said it (-1: not known)
+    context_shifts: int = 0  # over all its tasks
+
+    @property
+    def state(self) -> str:
+        return "processing" if self.current is not None else "idle"
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -107,7 +114,16 @@ class ServerSlots:
         if isinstance(event, ev.ServerTaskStarted):
             turn = TurnView(event.task, event.slot, event.label, event.n_prompt, event.selected_by)
             self._tasks[event.task] = turn
-            self.slot(event.slot).current = turn
+            view = self.slot(event.slot)
+            view.current = turn
+            if event.n_ctx_slot >= 0:
+                view.n_ctx_slot = event.n_ctx_slot
+        elif isinstance(event, ev.ServerContextShifted):
+            view = self.slot(event.slot)
+            view.context_shifts += 1
+            turn = self._tasks.get(event.task)
+            if turn is not None:
+                turn.context_shifts += 1
         elif isinstance(event, ev.ServerPromptReused):
             turn = self._tasks.get(event.task)
             if turn is not None:

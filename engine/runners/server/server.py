@@ -155,7 +155,7 @@ class ServerSim:
             task = slot.task
             if task is not None:
                 events.append(ev.ServerTaskStarted(slot=slot.id, task=task.id, selected_by="", similarity=-1.0,
-                                                   n_prompt=len(task.tokens), label=task.label))
+                                                   n_prompt=len(task.tokens), label=task.label, n_ctx_slot=slot.n_ctx))
                 decided = self._decisions.get(slot.id)
                 if decided is not None and decided.task == task.id:
                     events.append(dataclasses.replace(decided))  # a copy: the state gets its own stamp
@@ -223,7 +223,7 @@ class ServerSim:
                                                      task.text, len(task.tokens)))
             self.ctx.bus.publish(ev.ServerTaskStarted(slot=slot.id, task=task.id, selected_by=how,
                                                       similarity=similarity, n_prompt=len(task.tokens),
-                                                      label=task.label))
+                                                      label=task.label, n_ctx_slot=slot.n_ctx))
             if self.cache_idle_slots:
                 self._save_idle_slots()
         self.waiting = still
@@ -570,6 +570,8 @@ class ServerSim:
         n_discard = max(0, min(n_discard, max(0, n_left - 1)))
         self.log.slot("warn", "update_slots", slot.id, task.id,
                       f"slot context shift, n_keep = {n_keep}, n_left = {n_left}, n_discard = {n_discard}")
+        self.ctx.bus.publish(ev.ServerContextShifted(slot=slot.id, task=task.id, n_keep=n_keep, n_left=n_left,
+                                                     n_discard=n_discard))
         with self.ctx.bus.cause("context shift"):
             self.ctx.memory.seq_rm(slot.id, n_keep, n_keep + n_discard)
             self.ctx.memory.seq_add(slot.id, n_keep + n_discard, len(slot.tokens), -n_discard)

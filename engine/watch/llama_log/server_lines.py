@@ -150,7 +150,8 @@ class ServerLines:
             run = self.tasks[slot] = TaskFacts(slot, task, n_prompt=int(m.group(3)), n_kept=facts.n_kept)
             events.append(ev.SequenceAssigned(slot, f"slot {slot}, task {task}", "", run.n_prompt))
             events.append(ev.ServerTaskStarted(slot=slot, task=task, selected_by=facts.selected_by,
-                                               similarity=facts.similarity, n_prompt=run.n_prompt))
+                                               similarity=facts.similarity, n_prompt=run.n_prompt,
+                                               n_ctx_slot=int(m.group(1))))
             run.n_common = facts.lcp
             facts.selected_by, facts.similarity, facts.lcp = "", -1.0, -1
             return
@@ -226,6 +227,8 @@ class ServerLines:
         m = CONTEXT_SHIFT.search(body)
         if m:
             n_keep, n_discard = int(m.group(1)), int(m.group(3))
+            events.append(ev.ServerContextShifted(slot=slot, task=task, n_keep=n_keep, n_left=int(m.group(2)),
+                                                  n_discard=n_discard))
             cause = f"context shift of slot {slot}, task {task}: n_keep = {n_keep}, n_discard = {n_discard}"
             removals.append(Removal(slot, n_keep, n_keep + n_discard, cause))
             removals.append(Removal(slot, n_keep + n_discard, -1, cause, kind="moved"))
