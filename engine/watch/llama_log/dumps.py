@@ -29,6 +29,10 @@ CELLS_PER_MAP_ROW = 256
 CELLS_PER_POS_ROW = 64
 POS_WIDTH = 5
 EMPTY, SHARED = ord("."), ord("M")
+POS_BYTES = np.zeros(256, dtype=bool)  # what a position row may hold, by byte
+POS_BYTES[np.frombuffer(b".0123456789 ", dtype=np.uint8)] = True
+MAP_BYTES = np.zeros(256, dtype=bool)
+MAP_BYTES[np.frombuffer(b".M0123456789", dtype=np.uint8)] = True
 
 
 @dataclass
@@ -106,17 +110,16 @@ def _row_body(row: str) -> str:
 
 def _positions(raw: RawDump) -> np.ndarray:
     size = raw.size
+    body = "".join(r[:-2] if r.endswith(" *") else r for r in raw.pos_rows)  # trailing spaces are columns
+    if len(body) == POS_WIDTH * size:  # every field in '%-5d' columns: read them all at once
+        return _fixed_fields(body, raw)
     pos = np.full(size, -1, dtype=np.int64)
     rows = [_row_body(r) for r in raw.pos_rows]
-    widths = [min(CELLS_PER_POS_ROW, size - i * CELLS_PER_POS_ROW) for i in range(len(rows))]
-    fixed = [i for i, (row, n) in enumerate(zip(rows, widths)) if len(row.rstrip()) <= POS_WIDTH * n <= len(row) + POS_WIDTH]
-    if len(fixed) == len(rows):  # every row in '%-5d' fields: read them all at once
-        text = "".join(row.ljust(POS_WIDTH * n) for row, n in zip(rows, widths))
-        return _fixed_fields(text)
-    for i, (row, n) in enumerate(zip(rows, widths)):
+    for i, row in enumerate(rows):
         first = i * CELLS_PER_POS_ROW
-        if i in fixed:
-            pos[first:first + n] = _fixed_fields(row.ljust(POS_WIDTH * n))
+        n = min(CELLS_PER_POS_ROW, size - first)
+        if len(row.rstrip()) <= POS_WIDTH * n <= len(row) + POS_WIDTH:
+            pos[first:first + n] = _fixed_fields(row.ljust(POS_WIDTH * n), raw)
         else:
             # a position of six digits or more ran into its neighbour: which cells hold something is still
             # known ('.' has its 5 columns), but not where
@@ -124,8 +127,10 @@ def _positions(raw: RawDump) -> np.ndarray:
     return pos
 
 
-def _fixed_fields(text: str) -> np.ndarray:
+def _fixed_fields(text: str, raw: RawDump) -> np.ndarray:
     chars = np.frombuffer(text.encode("ascii", errors="replace"), dtype=np.uint8).reshape(-1, POS_WIDTH)
+    if not POS_BYTES[chars].all():
+        raise DumpError(f"stream {raw.stream}: a position row holds something else than positions")
     digits = chars.astype(np.int64) - ord("0")
     is_digit = (digits >= 0) & (digits <= 9)
     value = np.zeros(len(chars), dtype=np.int64)
@@ -159,6 +164,8 @@ def _unreadable_row(row: str, n: int) -> np.ndarray:
 def _single_chars(map_text: str, held: np.ndarray, seq_bits: np.ndarray, uncertain: np.ndarray,
                   pos: np.ndarray, raw: RawDump) -> None:
     codes = np.frombuffer(map_text.encode("ascii", errors="replace"), dtype=np.uint8)
+    if not MAP_BYTES[codes].all():
+        raise DumpError(f"stream {raw.stream}: a cell map row holds something else than cell labels")
     unread = pos == POS_UNKNOWN
     if unread.any():  # the map says which of the cells of an unreadable position row are empty
         pos[unread & (codes == EMPTY)] = -1

@@ -21,7 +21,7 @@ import numpy as np
 from engine import events as ev
 from engine.watch.llama_log.context_lines import ContextLines
 from engine.watch.llama_log.dumps import MIN_MAX, SUMMARY, DumpError, RawDump, StreamPicture, decode
-from engine.watch.llama_log.lines import LineSplitter, LogLine
+from engine.watch.llama_log.lines import TIME_PREFIX, LineSplitter, LogLine
 from engine.watch.llama_log.server_lines import Removal, ServerLines
 from engine.watch.mirror import CacheMirror
 
@@ -32,7 +32,8 @@ MEMORY_CALL = re.compile(r"llama_memory_(seq_rm|seq_cp|seq_keep|seq_add|seq_div|
 # nothing about the cache counts as another line of llama.cpp, not as one the parser failed to understand
 LLAMA_LINE = re.compile(r"(?:[a-z]{3,4} +)?~?[A-Za-z_][\w.:~()]*: ")
 MAP_LABELS = ".M0123456789"  # what a cell map's row is made of, before its " *"
-POS_START, POS_CHARS = ".0123456789", ".0123456789 *"
+POS_START = ".0123456789"
+ROW_ENDS = ".M0123456789 *"
 SLOT_FAILED = re.compile(r"decode: failed to find a memory slot for batch of size (\d+)")
 DECODE_FAILED = re.compile(r"llama_decode: failed to decode, ret = (-?\d+)")
 
@@ -115,15 +116,16 @@ class LlamaLogParser:
                 i += 1
                 taken += 1
                 continue
+            # a row is told from other lines by its ends alone (decode checks every character, at once): a
+            # line of another entry begins with a time prefix or ends in a letter
+            first, last = row[0], row[-1]
+            if (last not in ROW_ENDS or (first.isdigit() and TIME_PREFIX.match(row))
+                    or first not in (MAP_LABELS if map_left else POS_START)):
+                break
             if map_left:
-                body = row[:-2] if row.endswith(" *") else row.rstrip()
-                if not body or body.strip(MAP_LABELS):
-                    break
                 dump.map_rows.append(row)
                 map_left -= 1
             else:
-                if row[0] not in POS_START or row.strip(POS_CHARS):
-                    break
                 dump.pos_rows.append(row)
                 pos_left -= 1
             i += 1
