@@ -137,7 +137,7 @@ class RandomOps:
         try:
             ops[self.rng.integers(len(ops))]()
         except MemoryOperationError:
-            pass  # e.g. a shift on an iSWA pair without swa_full, refused up front
+            pass  # an operation the engine refuses (an invalid sequence, a move of a plain cache that cannot shift)
 
     def seq(self) -> int:
         return int(self.rng.integers(self.n_seq))

@@ -39,6 +39,11 @@ QUIRK_DRY_RUN_HEADS = ("llama.cpp QUIRK (src/llama-kv-cache.cpp, llama_kv_cache:
                        "each stream's head from the old head at the stream's index in the ubatch's slot, not at "
                        "its id, so a head takes another stream's old value ({streams}); the real apply sets it "
                        "again, so it lasts only after a failed decode")
+QUIRK_ISWA_SHIFT = ("llama.cpp QUIRK (src/llama-kv-cache-iswa.cpp, llama_kv_cache_iswa::get_can_shift and "
+                    "init_update): the memory says it cannot shift, then shifts: llama_memory_can_shift is false "
+                    "for this iSWA pair (its SWA and base caches differ in size), yet seq_add/seq_div are "
+                    "accepted and the next decode's K-shift re-rotates the keys of both caches, as each cache's "
+                    "llama_kv_cache::update (src/llama-kv-cache.cpp) checks only its own get_can_shift")
 
 # (k [N, n_head_kv, head_dim] float32, delta [N] int64) -> keys re-rotated by delta positions
 KeyShifter = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -63,6 +68,9 @@ class KVCache:
         self.v_cells = [KVCells(layout.kv_size) for _ in range(layout.n_stream)]
         self.v_heads = [0] * layout.n_stream  # a search hint, not part of the cache state
         self.pending_copies: list[tuple[int, int]] = []
+        # The QUIRK text this cache's moves and K-shifts carry: QUIRK_ISWA_SHIFT when it is half of an iSWA
+        # pair that says it cannot shift (set by KVCacheISWA), else none.
+        self.shift_quirk = ""
         self.layer_index = {il: i for i, il in enumerate(layout.layer_ids)}
         devices = list(layer_devices) if layer_devices is not None else ["cpu"] * len(layout.layer_ids)
         if len(devices) != len(layout.layer_ids):
@@ -251,7 +259,7 @@ class KVCache:
         # llama.cpp: the head goes to the first freed cell, else to 0, even if nothing moved.
         self.v_heads[s] = int(freed[0]) if freed.size else 0
         self._publish(ev.CellsShifted, [self._stream_cells(s, idxs)], op="add", seq_id=seq_id, p0=p0, p1=p1,
-                      amount=delta, old_pos=(ev._frozen_array(old),))
+                      amount=delta, old_pos=(ev._frozen_array(old),), quirk=self.shift_quirk if idxs.size else "")
 
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
         """Divide the positions of seq_id's cells in [p0, p1) by d (QUIRK: shift sign, see cells.py)."""
@@ -269,7 +277,8 @@ class KVCache:
         old = cells.pos[idxs].copy()
         cells.pos_div(idxs, d)
         self._publish(ev.CellsShifted, [self._stream_cells(s, idxs)], op="div", seq_id=seq_id, p0=p0, p1=p1,
-                      amount=d, old_pos=(ev._frozen_array(old),), quirk=QUIRK_DIV_SHIFT)
+                      amount=d, old_pos=(ev._frozen_array(old),),
+                      quirk="; ".join(filter(None, (QUIRK_DIV_SHIFT, self.shift_quirk if idxs.size else ""))))
 
     def _check_shift(self, op: str) -> None:
         if not self.can_shift():
@@ -481,7 +490,7 @@ class KVCache:
             amounts.append(ev._frozen_fresh(cells.shift[idxs]))  # one per change, empty for an unshifted stream
             cells.reset_shift()
             changes.append(self._stream_cells(s, idxs))
-        self._publish(ev.KShiftApplied, changes, amounts=tuple(amounts), n_layers=len(self.k))
+        self._publish(ev.KShiftApplied, changes, amounts=tuple(amounts), n_layers=len(self.k), quirk=self.shift_quirk)
 
     # ---- tensors for the forward pass -----------------------------------------------------
     def n_kv(self, streams: tuple[int, ...]) -> int:

@@ -3,6 +3,10 @@ a sliding-window cache for the SWA layers, behind the same memory interface as o
 
 Sequence operations go to both caches; positions are answered by the SWA cache (so pos_min rises
 once the window slid); a batch must find slots in both, base first.
+
+A pair whose caches differ in size (swa_full off) answers can_shift() False, yet takes seq_add and
+seq_div and re-rotates both caches' keys at the next update, as llama.cpp does: its events carry
+QUIRK_ISWA_SHIFT (engine/kv/cache.py).
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import torch
 from engine.arguments import flag_arg, int_arg, ints
 from engine.batch import BatchAllocator, UBatch
 from engine.errors import MemoryOperationError
-from engine.kv.cache import KVCache, position_range
+from engine.kv.cache import QUIRK_ISWA_SHIFT, KVCache
 from engine.kv.slot_info import SlotInfo
 
 log = logging.getLogger("kvscope.kv")
@@ -61,6 +65,10 @@ class KVCacheISWA:
         self.size = base.size
         self.n_stream = base.n_stream
         self.n_seq_max = base.n_seq_max
+        # The sizes never change: a pair that cannot shift marks every move and K-shift of its caches.
+        shift_quirk = "" if self.can_shift() else QUIRK_ISWA_SHIFT
+        for cache in self.caches():
+            cache.shift_quirk = shift_quirk
 
     def caches(self) -> list[KVCache]:
         return [self.base, self.swa]
@@ -96,7 +104,9 @@ class KVCacheISWA:
                                    "memory.swa.head(stream)")
 
     def can_shift(self) -> bool:
-        """K-shift needs both caches to shift and the same size (in practice: swa_full)."""
+        """llama_kv_cache_iswa::get_can_shift: both caches can shift and have the same size (in practice:
+        swa_full). llama.cpp's tools, and kvscope's runners, turn context shift off when it is False; the
+        pair itself still shifts (QUIRK_ISWA_SHIFT, see seq_add and update)."""
         return self.base.can_shift() and self.swa.can_shift() and self.base.size == self.swa.size
 
     def snapshot_events(self) -> list:
@@ -127,32 +137,19 @@ class KVCacheISWA:
         self.swa.seq_keep(seq_id)
 
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        """Both caches, even when can_shift() is False (llama_kv_cache_iswa::seq_add checks nothing):
+        QUIRK_ISWA_SHIFT then marks the moves."""
         seq_id, p0, p1, delta = ints("seq_add", seq_id=seq_id, p0=p0, p1=p1, delta=delta)
         self._check_both(seq_id, "seq_add")
-        if delta != 0:
-            self._refuse_unsupported_shift("seq_add", seq_id, p0, p1)
         self.base.seq_add(seq_id, p0, p1, delta)
         self.swa.seq_add(seq_id, p0, p1, delta)
 
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+        """Both caches, as seq_add (QUIRK_ISWA_SHIFT when can_shift() is False)."""
         seq_id, p0, p1, d = ints("seq_div", seq_id=seq_id, p0=p0, p1=p1, d=d)
         self._check_both(seq_id, "seq_div")
-        if d > 1:
-            self._refuse_unsupported_shift("seq_div", seq_id, p0, p1)
         self.base.seq_div(seq_id, p0, p1, d)
         self.swa.seq_div(seq_id, p0, p1, d)
-
-    def _refuse_unsupported_shift(self, op: str, seq_id: int, p0: int, p1: int) -> None:
-        """llama.cpp accepts the move and aborts at the next decode's K-shift; kvscope refuses it
-        up front when a cell would move (llama.cpp aborts in llama_kv_cache::update)."""
-        if self.can_shift():
-            return
-        stream = self.base.seq_to_stream(seq_id)
-        lo, hi = position_range(p0, p1)
-        if any(cache.v_cells[stream].in_range(lo, hi, seq_id).size for cache in self.caches()):
-            raise MemoryOperationError(
-                f"{op}: this iSWA cache cannot shift positions (SWA cache {self.swa.size} cells, base "
-                f"{self.base.size}); create the context with swa_full=True (--swa-full) to allow it")
 
     def seq_pos_min(self, seq_id: int) -> int:
         return self.swa.seq_pos_min(seq_id)
@@ -171,8 +168,9 @@ class KVCacheISWA:
 
     # ---- decode steps -------------------------------------------------------------------------
     def update(self) -> bool:
-        if any(c.has_shift for cache in self.caches() for c in cache.v_cells) and not self.can_shift():
-            raise MemoryOperationError("update: this iSWA cache does not support K-shift (use swa_full)")
+        """Each cache's own update, base first (llama_kv_cache_iswa::init_update makes one update context
+        per cache): each checks only its own can_shift, so a pair whose can_shift() is False re-rotates
+        the keys of both (QUIRK_ISWA_SHIFT on their KShiftApplied events)."""
         did_base = self.base.update()
         return self.swa.update() or did_base
 

@@ -502,7 +502,9 @@ class Session:
             raise KvscopeError(f"context_shift: n_discard must be in 1..{n_left} (seq {seq_id} holds positions "
                                f"up to {n_past - 1}, n_keep = {n_keep}), got {n_discard}")
         if not memory.can_shift():
-            raise KvscopeError("context_shift: this cache cannot shift positions (an iSWA pair needs swa_full)")
+            # llama.cpp's tools turn context shift off here; the memory would still take a seq_add (QUIRK_ISWA_SHIFT)
+            raise KvscopeError("context_shift: this memory cannot shift (llama_memory_can_shift is false: an iSWA pair "
+                               "needs swa_full); llama.cpp's tools turn context shift off here")
         check = getattr(self._workload, "check_shift", None)
         if check is not None:
             check(seq_id)
