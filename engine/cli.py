@@ -255,6 +255,14 @@ def _close_recording(recorder, quiet: bool) -> None:
                     "EventsDropped event marks where)", recorder.dropped)
 
 
+def cmd_attach(args: argparse.Namespace) -> int:
+    """A real llama.cpp's cache from its own log: recorded (-o), in the explorer, or as text frames
+    (engine/runners/attach_command.py)."""
+    from engine.runners.attach_command import run_attach
+
+    return run_attach(args, getattr(args, "explorer_app", None))
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """A Session served over ZeroMQ until SIGINT or SIGTERM (engine/runners/serve.py)."""
     from engine.runners.serve import SessionServer, stop_on_signals, wait_until_stopped
@@ -293,8 +301,11 @@ def _print_serve_banner(server, session) -> None:
     print("\n".join(lines), flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, explorer_app=None) -> int:
+    """explorer_app: what loads the terminal explorer (the kvscope command, kvscope/launcher.py, passes it to
+    `attach`: the engine never imports its front-ends)."""
     args = build_parser().parse_args(argv)
+    args.explorer_app = explorer_app
     logger = logging.getLogger("kvscope")
     level = logger.level
     handler = _log_to_stderr(verbose=getattr(args, "verbose", False))
@@ -312,7 +323,7 @@ def _run(args: argparse.Namespace) -> int:
         raise KvscopeError("the terminal explorer starts from the kvscope command (kvscope.launcher), not engine.cli")
     commands = {"generate": cmd_generate, "parallel": cmd_parallel, "estimate": cmd_estimate,
                 "make-tiny-model": cmd_make_tiny_model, "record": cmd_record,
-                "serve": cmd_serve, "server-sim": cmd_server_sim}
+                "serve": cmd_serve, "server-sim": cmd_server_sim, "attach": cmd_attach}
     try:
         rc = commands[args.command](args)
         sys.stdout.flush()  # now rather than at exit, so that a reader that went away is noticed in main

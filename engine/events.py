@@ -161,20 +161,24 @@ class CellsShifted(CellsChanged):
 
 
 POS_UNKNOWN = 2**31 - 1  # a held cell whose position its source did not say (a log's unreadable position row)
+# What a CellsSeen's seq_bits mean where the log leaves them open (its `uncertain` codes; 0: the cell's sequences)
+SEQS_SHARED_UNNAMED = 1  # an 'M' cell: two or more of these sequences hold it
+SEQS_READ_TWO_WAYS = 2  # a map with ids of several lengths reads more than one way here: one or more of these
 
 
 @dataclass(frozen=True, eq=False)
 class CellsSeen(CellsChanged):
     """Cells as a log's slot-search dump showed them: a real llama.cpp read from its own log
     (engine/watch/llama_log). `changes` holds the cells that differ from the previous dump of their stream
-    (all of them for a stream's first dump). What a dump cannot tell is marked, never invented:
-    uncertain[k][j] is True where cell changes[k].cells[j] is shared by several sequences ('M') and its
-    seq_bits are only the sequences that may hold it (those whose min..max covers its position); a pos of
+    (all of them for a stream's first dump). What a dump cannot tell is marked, never invented: where
+    uncertain[k][j] is not 0, the seq_bits of cell changes[k].cells[j] are only the sequences that may hold
+    it: SEQS_SHARED_UNNAMED for a cell shared by several ('M'; those whose min..max covers its position),
+    SEQS_READ_TWO_WAYS where a map of ids of several lengths ("1", "12") splits more than one way; a pos of
     POS_UNKNOWN is a held cell whose position the dump's row did not give. A dump shows no pending shift:
     shift is 0. `ubatch` counts the slot searches since the log began."""
 
     ubatch: int = -1
-    uncertain: tuple[np.ndarray, ...] = ()
+    uncertain: tuple[np.ndarray, ...] = ()  # uint8 per cell: 0, SEQS_SHARED_UNNAMED or SEQS_READ_TWO_WAYS
 
 
 @dataclass(frozen=True, eq=False)

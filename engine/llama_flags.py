@@ -209,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_flags(command("serve", help=SERVE_HELP))
     _add_server_sim_flags(command("server-sim", help=SERVER_SIM_HELP))
     _add_tui_flags(command("tui", help="the terminal explorer (what `kvscope` alone starts, on the demo model)"))
+    _add_attach_flags(command("attach", help=ATTACH_HELP, usage=ATTACH_USAGE))
     record = command("record", help="run generate or parallel and record every event to a file "
                                     "(docs/recording-format.md)")
     record.add_argument("-o", "--output", required=True, metavar="FILE",
@@ -342,6 +343,38 @@ def _add_tui_flags(p: argparse.ArgumentParser) -> None:
                    help="with --connect: the token the server printed (default: $KVSCOPE_TOKEN)")
     p.add_argument("--plain-steps", type=int, default=30, metavar="N",
                    help="without a terminal (a pipe, CI): print N steps as text frames, then exit")
+
+
+ATTACH_HELP = ("watch a real llama.cpp's KV cache from its own debug log: a command run here (llama-server, "
+               "llama-cli, ...) or a saved log (docs/command-line.md)")
+ATTACH_USAGE = ("kvscope attach [-o FILE] [--passthrough FILE] [--seconds N] -- COMMAND [ARG ...]\n"
+                "       kvscope attach --log FILE [--follow] [-o FILE] [--seconds N]")
+
+
+def _add_attach_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log", default=None, metavar="FILE",
+                   help="read a saved llama.cpp log (its stderr, written with LLAMA_KV_CACHE_DEBUG=3 and -v) instead "
+                        "of running a command (default: none: run the command after --)")
+    p.add_argument("--follow", action="store_true",
+                   help="with --log: keep reading as the file grows, like tail -f (a truncated or replaced file is "
+                        "read again from its start, as a new log)")
+    p.add_argument("-o", "--output", default=None, metavar="FILE",
+                   help="record to FILE (a .kvtrace) with no explorer, until the log's end, the command's exit, "
+                        "--seconds, Ctrl-C or SIGTERM (default: open the explorer)")
+    p.add_argument("--keyframe-every", type=int, default=1000, metavar="K",
+                   help="with -o: store the whole cache state every K events, so that a viewer seeks fast")
+    p.add_argument("--passthrough", default=None, metavar="FILE",
+                   help="where the command's raw output (stdout and stderr, as they came) goes (default: a "
+                        "temporary file, named at start and kept)")
+    p.add_argument("--seconds", type=float, default=None, metavar="N",
+                   help="stop after N seconds, ending the command (default: no limit)")
+    p.add_argument("--plain-every", type=float, default=1.0, metavar="SECONDS",
+                   help="without a terminal and without -o: print a text frame at most this often while the cache "
+                        "changes")
+    p.add_argument("run", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                   help="the llama.cpp command to run, after `--`; kvscope adds LLAMA_KV_CACHE_DEBUG=3 to its "
+                        "environment and -v to its arguments unless it has -v or -lv N (N >= 1), and ends it when "
+                        "it stops")
 
 
 def _add_session_flags(p: argparse.ArgumentParser) -> None:

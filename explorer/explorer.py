@@ -6,12 +6,15 @@
     Explorer("run.kvtrace")                      # a recording, scrubbed with the timeline
     Explorer("tcp://127.0.0.1:5757")             # a session served by `kvscope serve`
     Explorer(session)                            # a Session (or RemoteSession) made by hand
+    Explorer.attach(command="llama-server -m model.gguf -np 2")   # a real llama.cpp's cache, from its log
+    Explorer.attach("server.log", follow=True)   # a log llama.cpp writes elsewhere (LLAMA_KV_CACHE_DEBUG=3, -v)
 
 How it stays live without a thread of its own: a session run here redraws the views on its worker
 (Session.on_change, coalesced to `every_s`), and every control's redraw is queued to that worker too
 (Session.call), so two redraws never overlap and the kernel stays free to run other cells. A remote
-session is redrawn on the kernel's own thread, driven by a Play widget ticking in the browser; a
-recording only moves when its timeline does.
+session, and a llama.cpp log (Explorer.attach), are redrawn on the kernel's own thread, driven by a Play
+widget ticking in the browser; a recording only moves when its timeline does. A log has no controls:
+kvscope only watches a real llama.cpp.
 Views slower to draw than every_s are redrawn less often instead of queueing up, each redraw drawing the
 latest state, and the status line says so (explorer/pacing.py).
 
@@ -33,7 +36,7 @@ from engine import events as ev
 from engine.runners.launch import source_from_flags
 from engine.watch import lifetime
 from engine.watch.describe import cache_title, held_seqs, status_parts, tokens_per_second
-from engine.watch.sources import Source, remote_source, replay_source, session_source
+from engine.watch.sources import Source, attached_source, remote_source, replay_source, session_source
 from explorer.controls import SessionControls
 from explorer.event_log import EventLog
 from explorer.grid import CellGrid
@@ -126,15 +129,43 @@ class Explorer(Shown):
         self.update()
         lifetime.close_at_exit(self, lifetime.FRONT_ENDS)
 
+    @classmethod
+    def attach(cls, log: str | Path | None = None, command: str | list[str] | None = None, *, follow: bool = False,
+               passthrough: str | Path | None = None, **options) -> Explorer:
+        """The explorer on a real llama.cpp's cache, read from its own log (engine/runners/attach.py): a saved
+        log (`log`, with `follow` to keep reading as it grows), or a command started here (`command`, a list
+        or a string split as a shell would; LLAMA_KV_CACHE_DEBUG=3 and -v are added, its raw output goes to
+        `passthrough`, by default a temporary file). The process ends when the explorer is closed (or the
+        kernel stops). options: as for Explorer(...)."""
+        from engine.errors import KvscopeError
+        from engine.runners.attach import AttachedLog
+
+        if (log is None) == (command is None):
+            raise KvscopeError("Explorer.attach: give a log file or a command to run, one of the two")
+        if log is not None and passthrough is not None:
+            raise KvscopeError("Explorer.attach: passthrough goes with a command run here, not a log file")
+        if command is not None:
+            argv = shlex.split(command) if isinstance(command, str) else [str(word) for word in command]
+            attached = AttachedLog.run(argv, passthrough=passthrough, start=False)
+        else:
+            attached = AttachedLog.read(log, follow=follow, start=False)
+        try:
+            source = attached_source(attached)  # subscribed before it starts: every event from the first line
+            attached.start()
+            return cls(source, **options)
+        except BaseException:
+            attached.close()
+            raise
+
     def _follow(self, every_s: float):
-        """Redraw live: a local session's worker redraws (and runs the controls' redraws); a remote one is
-        ticked from the browser on the kernel's thread; a recording only moves with its timeline. Returns
-        what stops it (None: nothing to stop)."""
+        """Redraw live: a local session's worker redraws (and runs the controls' redraws); a remote one and a
+        llama.cpp log are ticked from the browser on the kernel's thread; a recording only moves with its
+        timeline. Returns what stops it (None: nothing to stop)."""
         if self.local:
             for view in [*self.views, self.session_log]:
                 view.runner = self.session.call
             return self.session.on_change(self.update, every_s)
-        if self.session is not None:
+        if self.session is not None or self.source.attached is not None:
             self._ticker = widgets.Play(interval=int(every_s * 1000), max=10**9, show_repeat=False,
                                         description="follow", playing=True)
             self._ticker.observe(lambda _: self._tick(), names="value")

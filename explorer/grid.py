@@ -4,8 +4,9 @@ Each panel is a heatmap of `columns` cells a row; its colour scale has one band 
 (sequence s: band s % 12), then "several sequences" and "empty", as engine/watch/style.py defines them
 for both explorers. Hovering a cell gives its index, position, sequences, pending shift and the last
 thing that happened to it (the watch layer's cell history). Markers show the head (where the next slot
-search starts), the cells changed since the previous update, those the last decode's dry run touched, and
-(a red !) those an event touched that reproduces a llama.cpp QUIRK (the event log says which).
+search starts), the cells changed since the previous update, those the last decode's dry run touched,
+(a red !) those an event touched that reproduces a llama.cpp QUIRK (the event log says which), and (the
+terminal explorer's ▚) those a real llama.cpp's log shows shared without naming by whom.
 With a sequence selected, its cells outside the sliding window are crossed, and (attention=True, on a
 session made with publish_attention) the weight its last token gave each cell is laid over the grid in
 red, per layer or averaged over the cache's layers.
@@ -22,15 +23,15 @@ from plotly.subplots import make_subplots
 from engine import events as ev
 from engine.watch import style
 from engine.watch.attention import AttentionWatch
-from engine.watch.describe import cache_title
+from engine.watch.describe import cache_title, position_text, unnamed_sharers_text
 from engine.watch.frames import EMPTY, SHARED, Frame, FrameReader, StreamFrame
 from engine.watch.visibility import CellVisibility, SequenceVisibility, visibility
 from engine.watch.watcher import Watcher
 from explorer.view import WatcherView
 
 SHARED_BAND, EMPTY_BAND = len(style.PALETTE), len(style.PALETTE) + 1
-CELLS, ATTENTION, CHANGED, DRY_RUN, QUIRK, HEAD, MASKED = range(7)  # each lane's traces, in this order
-TRACES_PER_LANE = 7
+CELLS, ATTENTION, CHANGED, DRY_RUN, QUIRK, HEAD, MASKED, UNNAMED = range(8)  # each lane's traces, in this order
+TRACES_PER_LANE = 8
 # Cells are drawn apart (a 1-pixel gap) up to this many per lane; beyond, they are a few pixels wide and
 # gaps would hide a quarter of them, and the browser draws a heatmap with gaps three times slower.
 GAPS_UP_TO_CELLS = 4096
@@ -78,6 +79,7 @@ class CellGrid(WatcherView):
         self.widget = self.figure
         self._lanes: tuple[tuple[str, int, int], ...] = ()  # (cache, stream, size) the figure is laid out for
         self._hover: dict[tuple[str, int], np.ndarray] = {}  # per lane: the hover text of every cell
+        self._hover_unnamed: dict[tuple[str, int], np.ndarray] = {}  # per lane: the unnamed-sharer marks hovered
         self.selected_seq: int | None = None  # whose window (SWA visibility) is drawn
         self.attention_on, self.attention_layer = attention, attention_layer
         self.attention = AttentionWatch()
@@ -94,7 +96,7 @@ class CellGrid(WatcherView):
         return self.update()
 
     def forget(self) -> None:
-        self._hover = {}
+        self._hover, self._hover_unnamed = {}, {}
         self._drawn_for = ()
         self.attention = AttentionWatch()
         self._events_seen = 0
@@ -179,7 +181,7 @@ class CellGrid(WatcherView):
     # ---- drawing ----------------------------------------------------------------------------------
     def _lay_out(self, frame: Frame) -> None:
         self._lanes = tuple((sf.cache, sf.stream, sf.size) for sf in frame.streams)
-        self._hover = {}
+        self._hover, self._hover_unnamed = {}, {}
         n = max(1, len(frame.streams))
         rows = [max(1, math.ceil(sf.size / self.columns)) for sf in frame.streams] or [1]
         height = 60 + 20 * sum(rows) + 50 * n
@@ -213,7 +215,12 @@ class CellGrid(WatcherView):
                 go.Scatter(mode="markers", name="head", showlegend=k == 0, hoverinfo="skip", **axes,
                            marker=dict(symbol="triangle-down", size=10, color=style.HEAD_COLOR)),
                 go.Scatter(mode="markers", name="outside the window", showlegend=k == 0, hoverinfo="skip", **axes,
-                           marker=dict(symbol="x-thin-open", size=9, color="#222222", line=dict(width=2)))])
+                           marker=dict(symbol="x-thin-open", size=9, color="#222222", line=dict(width=2))),
+                # a llama.cpp log's 'M' cells: shared, by sequences it does not name (the legend shows it when any is)
+                go.Scatter(mode="text", name=f"{style.GLYPH_SHARED_UNNAMED} shared, by whom the log does not say",
+                           showlegend=False, hoverinfo="skip", text=[], **axes,
+                           # over the shared colour (white on a dark page, near black on a light one): its opposite
+                           textfont=dict(color="#000000" if self.dark else "#FFFFFF", size=13))])
             if isinstance(self.figure, go.FigureWidget):
                 self.figure.data[-TRACES_PER_LANE].on_click(
                     lambda _trace, points, _state, lane=(sf.cache, sf.stream): self._clicked(lane, points))
@@ -231,7 +238,7 @@ class CellGrid(WatcherView):
                                   legend=dict(orientation="h", x=0, xanchor="left", y=0, yanchor="top"))
 
     def _draw_lane(self, k: int, sf: StreamFrame, seen: SequenceVisibility | None) -> None:
-        heatmap, attention, changed, dry_run, quirk, head, masked = \
+        heatmap, attention, changed, dry_run, quirk, head, masked, unnamed = \
             self.figure.data[TRACES_PER_LANE * k:TRACES_PER_LANE * (k + 1)]
         heatmap.z = as_rows(colour_bands(sf.owner), self.columns, np.nan)
         weights = self._weights(sf)
@@ -254,6 +261,17 @@ class CellGrid(WatcherView):
         x, y = self._xy(np.flatnonzero(sf.quirk))
         quirk.x, quirk.y, quirk.text = x, y, [style.GLYPH_QUIRK] * len(x)
         head.x, head.y = self._xy(np.array([sf.head] if sf.head < sf.size else [], dtype=np.int64))
+        x, y = self._xy(np.flatnonzero(self._unnamed(sf) & (sf.pos >= 0)))
+        unnamed.x, unnamed.y, unnamed.text = x, y, [style.GLYPH_SHARED_UNNAMED] * len(x)
+        if x and not unnamed.showlegend and not any(t.showlegend for t in self.figure.data[UNNAMED::TRACES_PER_LANE]):
+            unnamed.showlegend = True  # once, on the first lane that has any
+
+    def _unnamed(self, sf: StreamFrame) -> np.ndarray:
+        """Per cell: shared by sequences a llama.cpp log does not name (the mirror's StreamState.uncertain)."""
+        st = self.watcher.mirror.caches[sf.cache].streams[sf.stream]
+        if st.uncertain is None or len(st.uncertain) != sf.size:
+            return np.zeros(sf.size, dtype=bool)
+        return st.uncertain.copy()
 
     def _xy(self, cells: np.ndarray) -> tuple[list[int], list[int]]:
         return (cells % self.columns).tolist(), (cells // self.columns).tolist()
@@ -263,7 +281,12 @@ class CellGrid(WatcherView):
         update are described anew (the others' texts need not be sent again)."""
         key = (sf.cache, sf.stream)
         texts = self._hover.get(key)
-        redo = np.arange(sf.size) if texts is None else np.flatnonzero(sf.changed)
+        unnamed = self._unnamed(sf)
+        before = self._hover_unnamed.get(key)
+        # a log may name a cell's sequences later without changing what the frame draws: its text changes then
+        redo = np.arange(sf.size) if texts is None else np.flatnonzero(
+            sf.changed | (unnamed != before if before is not None and len(before) == sf.size else False))
+        self._hover_unnamed[key] = unnamed
         if texts is None:
             texts = self._hover[key] = np.empty(sf.size, dtype=object)
         for cell in redo.tolist():
@@ -277,9 +300,12 @@ class CellGrid(WatcherView):
         if pos < 0:
             text = "empty"
         else:
-            bits = self.watcher.mirror.caches[sf.cache].streams[sf.stream].seq_bits[cell]
-            seqs = np.flatnonzero(np.unpackbits(bits, bitorder="little")).tolist()
-            text = f"pos {pos} · seq {', '.join(map(str, seqs))}"
+            st = self.watcher.mirror.caches[sf.cache].streams[sf.stream]
+            seqs = np.flatnonzero(np.unpackbits(st.seq_bits[cell], bitorder="little")).tolist()
+            if st.uncertain is not None and st.uncertain[cell]:  # as the terminal explorer's inspector says it
+                text = f"{position_text(pos)} · {unnamed_sharers_text(seqs, int(st.uncertain[cell]))}"
+            else:
+                text = f"{position_text(pos)} · seq {', '.join(map(str, seqs))}"
             if sf.shift[cell]:
                 text += f" · pending shift {int(sf.shift[cell]):+d}"
         return text + "<br>" + lines[0] if lines else text

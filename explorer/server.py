@@ -1,8 +1,8 @@
-"""A simulated llama-server's turns and slots (the server workload): for every finished turn, its prompt's
-tokens as a stacked bar (served by the slot's cache, held but processed again, new) with what the server
-decided (prefix kept, checkpoint restored, full re-processing forced; ! a QUIRK), and per slot what it runs,
-keeps and the checkpoints it holds. Drawn from the watch layer's ServerSlots, in the colours of the
-terminal explorer's slots panel (engine/watch/style.py)."""
+"""A llama-server's turns and slots (kvscope's simulation, the server workload, or a real one watched from its
+log): for every finished turn, its prompt's tokens as a stacked bar (served by the slot's cache, held but
+processed again, new) with what the server decided (prefix kept, checkpoint restored, full re-processing
+forced; ! a QUIRK), and per slot what it runs, keeps and the checkpoints it holds. Drawn from the watch
+layer's ServerSlots, in the colours of the terminal explorer's slots panel (engine/watch/style.py)."""
 from __future__ import annotations
 
 import html
@@ -11,6 +11,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 
 from engine.watch import style
+from engine.watch.describe import turn_decision
 from engine.watch.server_slots import OUTCOME_TEXT, ServerSlots, TurnView
 from engine.watch.watcher import Watcher
 from explorer.view import WatcherView
@@ -92,8 +93,7 @@ class ServerView(WatcherView):
 
 
 def _note(turn: TurnView) -> str:
-    text = OUTCOME_TEXT.get(turn.outcome, "")
-    parts = [text, html.escape(turn.why)] if turn.why else [text]
-    if turn.quirk:
-        parts.append(html.escape(turn.quirk))
+    """A turn's hover: what the server decided, why (its words), the slots panel's few words on it, a QUIRK."""
+    parts = [OUTCOME_TEXT.get(turn.outcome, ""), html.escape(turn.why), html.escape(turn_decision(turn)),
+             html.escape(turn.quirk)]
     return "<br>".join(p for p in parts if p)

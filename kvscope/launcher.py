@@ -17,6 +17,8 @@ from engine.runners.launch import open_source
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["attach"]:
+        return cli.main(argv, explorer_app=explorer_app)
     if argv and argv[0] != "tui":
         return cli.main(argv)
     args = llama_flags.build_parser().parse_args(argv or ["tui"])
@@ -44,14 +46,19 @@ def run_tui(args: argparse.Namespace, *, demo: bool) -> int:
                 # what is still buffered goes nowhere, not into a second error when Python flushes at exit
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
-        try:
-            from tui.app import KvscopeApp
-        except ImportError as e:
-            raise KvscopeError(f"the terminal explorer needs textual ({e}): pip install -e '.[tui]'") from None
-        KvscopeApp(source).run()
+        explorer_app()(source).run()
         return 0
     finally:
         source.close()
+
+
+def explorer_app() -> type:
+    """The terminal explorer's App class; a clear error where textual is missing."""
+    try:
+        from tui.app import KvscopeApp
+    except ImportError as e:
+        raise KvscopeError(f"the terminal explorer needs textual ({e}): pip install -e '.[tui]'") from None
+    return KvscopeApp
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 BLOCK_TORCH = "import sys; sys.modules['torch'] = None  # any 'import torch' now raises ImportError\n"
 
@@ -110,3 +111,45 @@ def test_both_explorers_import_without_torch():
     loaded = set(done.stdout.split())
     assert {"engine.llama_flags", "engine.runners.launch"} <= loaded
     assert not loaded & {"engine.context", "engine.runners.session", "engine.kv.cache"}, loaded
+
+
+def test_attaching_to_a_llama_cpp_log_works_without_torch():
+    """`kvscope attach` watches a real llama.cpp from its log (engine/runners/attach.py): the machine that runs
+    llama.cpp needs no torch for it."""
+    log = Path(__file__).parent / "data" / "llama-cpp-logs" / "llama-cpp-kv-debug3-unified.log"
+    done = run_python(f"""
+        from pathlib import Path
+        from engine.runners.attach import AttachedLog
+        from engine.runners.attach_command import run_attach
+        from engine.runners.attach_frames import print_frames
+        from engine.watch.watcher import Watcher
+        log = Path({str(log)!r})
+        with AttachedLog.read(log, start=False) as attached:
+            watcher = Watcher.of(attached)
+            attached.start()
+            assert attached.wait(30)
+            watcher.poll()
+        assert watcher.status.state == "finished" and watcher.mirror.caches["kv"].streams[0].pos.max() >= 0
+        print(" ".join(sorted(m for m in sys.modules if m.startswith("engine"))))
+    """)
+    assert done.returncode == 0, done.stderr
+    loaded = set(done.stdout.split())
+    assert {"engine.runners.attach", "engine.watch.llama_log"} <= loaded
+    assert not loaded & {"engine.context", "engine.models.model", "engine.runners.session", "engine.kv.cache"}, loaded
+    assert not any(m.startswith("engine.models") for m in loaded), loaded
+
+
+def test_a_llama_cpp_log_is_read_without_torch():
+    """Watching a real llama.cpp needs no torch: the log parser lives with the watch layer."""
+    log = Path(__file__).parent / "data" / "llama-cpp-logs" / "llama-cpp-kv-debug3-unified.log"
+    done = run_python(f"""
+        from engine.watch.llama_log import LlamaLogParser
+        from engine.watch.mirror import CacheMirror
+        parser = LlamaLogParser()
+        mirror = CacheMirror()
+        mirror.apply_all(parser.feed(open({str(log)!r}, "rb").read()) + parser.finish())
+        assert parser.stats.dumps == 25 and mirror.caches["kv"].size == 256
+        print(" ".join(sorted(m for m in sys.modules if m.startswith("engine"))))
+    """)
+    assert done.returncode == 0, done.stderr
+    assert "engine.watch.llama_log.parser" in done.stdout.split()

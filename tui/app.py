@@ -2,7 +2,10 @@
 
 Nothing here knows a cache rule: the grid draws the watch layer's frames, the inspector its history and
 SWA visibility, the bars its device mirror. Commands go to the session (or the remote session); their
-Futures report back on the session's thread, so results reach the UI through call_from_thread.
+Futures report back on the session's thread, so results reach the UI through call_from_thread. A real
+llama.cpp watched from its log (an attached source) takes no command: the keys that would send one are left
+out of the key bar, the help, the palette and Textual's keys panel (check_action), and pressed anyway, they
+say so.
 """
 from __future__ import annotations
 
@@ -17,11 +20,11 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
 from textual.css.query import NoMatches
-from textual.events import Click
+from textual.events import Click, Key
 
 from engine import events as ev
 from engine.watch import AttentionWatch, Recorder, visibility
-from engine.watch.describe import cache_title, free_seq, tokens_per_second
+from engine.watch.describe import cache_title, free_seq, process_exit_text, tokens_per_second
 from engine.watch.frames import SHARED
 from engine.watch.sources import Source
 from tui.commands import SequenceCommands
@@ -30,7 +33,7 @@ from tui.event_log import EventLog
 from tui.fit import FittedLine, Part
 from tui.grid import CellGrid
 from tui.inspector import CellInspector
-from tui.keys import REPLAY_KEYS, SESSION_KEYS, KeyBar
+from tui.keys import ATTACHED_KEYS, REPLAY_KEYS, SESSION_KEYS, KeyBar
 from tui.screens import HelpScreen, PromptScreen, SettingsScreen
 from tui.slots import SlotsPanel
 from tui.status import StatusLine
@@ -41,6 +44,12 @@ CATCHING_UP_DRAW_EVERY_S = 0.2  # with a backlog, redraw this often; the frames 
 UNDRAWN_KEPT = 200  # events kept for the log between two draws (it shows the latest of a burst)
 REPLAY_EVENTS_PER_FRAME = 25  # a playing replay: about 500 events a second
 SHOWN_IN_REPLAY_LOG = 50
+# The actions that need a session to command (and the attention overlay, which a log has no weights for), and
+# what pressing one says when a llama.cpp process is only watched
+SESSION_ACTIONS = frozenset({"toggle_run", "step", "prompt", "seq_op", "settings", "record", "toggle_attention"})
+ONLY_WATCHES = ("kvscope only watches an attached llama.cpp process: it cannot step, pause, prompt or change it "
+                "(? lists the keys that work)")
+EXIT_LINES_NOTIFIED = 4  # of a process that ended: its last lines in the notification (the event log has more)
 
 
 class KvscopeApp(App):
@@ -113,6 +122,7 @@ class KvscopeApp(App):
         self.frames_drawn = 0
         self.playing = False  # a replay advancing by itself (space)
         self._shown_at: tuple[int, int] = (-2, -1)  # a replay's (position, rebuilds) last drawn
+        self._refused_at = -1e9  # when a key an attached source cannot obey was last answered (time.monotonic)
 
     # ---- layout ----------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -140,7 +150,7 @@ class KvscopeApp(App):
             for warning in replay.reader.warnings:
                 self.notify(warning, title="the recording is incomplete", severity="warning", timeout=30)
         else:
-            self._view(KeyBar).show_keys(SESSION_KEYS)
+            self._view(KeyBar).show_keys(ATTACHED_KEYS if self.attached else SESSION_KEYS)
         self.set_interval(1 / self.frames_per_second, self.refresh_view)
         self.refresh_view()
 
@@ -152,6 +162,29 @@ class KvscopeApp(App):
     @property
     def watcher(self):
         return self.source.watcher
+
+    @property
+    def attached(self) -> bool:
+        """A real llama.cpp watched from its log: nothing can be sent to it."""
+        return self.source.attached is not None
+
+    # ---- what an attached source cannot do ------------------------------------------------------------
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """An attached source's bindings that would command a session are off: Textual then leaves them out of
+        its keys panel and runs nothing (on_key says why)."""
+        return not (self.attached and action in SESSION_ACTIONS)
+
+    def on_key(self, event: Key) -> None:
+        if self.attached and _KEY_ACTIONS.get(event.key) in SESSION_ACTIONS:
+            self.refuse_command()
+
+    def refuse_command(self) -> None:
+        """Say that an attached llama.cpp cannot be commanded: once while the notice is on screen, however
+        often such keys are pressed."""
+        now = time.monotonic()
+        if now - self._refused_at >= self.NOTIFICATION_TIMEOUT:
+            self._refused_at = now
+            self.notify(ONLY_WATCHES, severity="warning")
 
     # ---- one frame -------------------------------------------------------------------------------
     def refresh_view(self) -> None:
@@ -175,6 +208,8 @@ class KvscopeApp(App):
             self.attention.apply(event)
             if isinstance(event, ev.WorkloadStep):
                 self._steps.append(event)
+            elif isinstance(event, ev.ProcessExited):
+                self._tell_exit(event)
         if new:
             self._undrawn = (self._undrawn + new)[-UNDRAWN_KEPT:]
         now = time.monotonic()
@@ -193,6 +228,13 @@ class KvscopeApp(App):
             # behind: go on absorbing as soon as the keys that came meanwhile were handled, not a frame later
             self._catching_up = True
             self.set_timer(0.001, self._catch_up)
+
+    def _tell_exit(self, exited: ev.ProcessExited) -> None:
+        """A watched process ended: how, and its last lines (all of them follow its line in the event log)."""
+        failed = exited.returncode != 0 and not exited.ended_by_kvscope
+        lines = "\n".join([line for line in exited.last_lines if line.strip()][-EXIT_LINES_NOTIFIED:])
+        self.notify(lines or "it printed nothing", title=process_exit_text(exited),
+                    severity="error" if failed else "information", timeout=30 if failed else 10)
 
     def _catch_up(self) -> None:
         self._catching_up = False
@@ -223,7 +265,7 @@ class KvscopeApp(App):
         seen = self._visibility()
         overlays = {(name, cv.stream): cv.codes for name, cv in seen.caches.items()} if seen and self.show_window \
             else {}
-        grid.show(self.watcher.frame(), self._lane_titles(), overlays, self._heat())
+        grid.show(self.watcher.frame(), self._lane_titles(), overlays, self._heat(), self._unnamed_sharers())
         self._draw_inspector(seen)
         self._view(DeviceBars).show_devices(mirror.devices)
         self._view(SlotsPanel).show_slots(self.watcher.server, self.current_theme.dark)
@@ -241,6 +283,10 @@ class KvscopeApp(App):
                                                 first, last, seen)
 
     def _draw_status(self) -> None:
+        if self.attached:
+            attached = self.source.attached
+            self._view(StatusLine).show_attached_status(self.watcher, attached.label if attached.kind == "file" else "")
+            return
         self._view(StatusLine).show_status(self.watcher, self._tokens_per_second(), self.source.label,
                                            replay=self.source.replay, playing=self.playing)
 
@@ -275,6 +321,12 @@ class KvscopeApp(App):
             return visibility(mirror, seq)
         except ValueError:
             return None
+
+    def _unnamed_sharers(self) -> dict:
+        """The cells a llama.cpp log shows shared without naming by whom, by (cache, stream) (copies: the
+        mirror goes on changing)."""
+        return {(name, s): st.uncertain.copy() for name, cache in self.watcher.mirror.caches.items()
+                for s, st in enumerate(cache.streams) if st.uncertain is not None and st.uncertain.any()}
 
     def _heat(self) -> dict:
         if not self.show_attention or self.selected_seq is None:
@@ -345,6 +397,9 @@ class KvscopeApp(App):
 
     # ---- commands ----------------------------------------------------------------------------------
     def _session(self):
+        if self.attached:
+            self.refuse_command()
+            return None
         if not self.source.live:
             self.notify("a recording cannot be changed: only replayed", severity="warning")
             return None
@@ -445,6 +500,9 @@ class KvscopeApp(App):
         self.push_screen(SettingsScreen(current, session.estimate, apply), apply)
 
     def action_record(self) -> None:
+        if self.attached:  # kvscope attach -o FILE records a watched llama.cpp from its first line
+            self.refuse_command()
+            return
         if self.recorder is not None:
             self.recorder.close()
             self.notify(f"recording written: {self.recorder.n_events} events to {self.recorder.path}")
@@ -487,9 +545,14 @@ class KvscopeApp(App):
         log.add_events(list(self.watcher.recent))
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen(replay=self.source.replay is not None))
+        self.push_screen(HelpScreen(replay=self.source.replay is not None, attached=self.attached))
 
     async def action_quit(self) -> None:
         if self.recorder is not None:
             self.recorder.close()
         self.exit()
+
+
+# each key's action, by its name without arguments ("seq_op", not "seq_op('rm')")
+_KEY_ACTIONS = {key.strip(): binding.action.partition("(")[0] for binding in KvscopeApp.BINDINGS
+                 for key in binding.key.split(",")}

@@ -1,4 +1,5 @@
-"""The event log: one line per event, filtered by kind, sequence and cache."""
+"""The event log: one line per event, filtered by kind, sequence and cache; a watched process that ended is
+followed by the last lines it printed (where llama.cpp says why it stopped)."""
 from __future__ import annotations
 
 import collections
@@ -13,6 +14,7 @@ from engine.watch import style
 from engine.watch.describe import EVENT_GROUPS, EventFilter, describe_event, event_seqs
 
 SHOWN_PER_FRAME = 20
+LAST_LINES_INDENT = " " * 8  # under the event's text, past its number
 KEPT_LINES = 2000
 
 
@@ -75,7 +77,7 @@ class EventLog(ScrollView, can_focus=False):  # the grid keeps the keys; the log
             self._rows.append((-1, f"        ... {passed} more events (a recording or the filters show every one)",
                                -1, -1))
             kept = kept[-SHOWN_PER_FRAME:]
-        self._rows.extend(_row(event) for event in kept)
+        self._rows.extend(row for event in kept for row in _rows(event))
         self._sized()
         self._following = following
         if following:
@@ -112,11 +114,16 @@ class EventLog(ScrollView, can_focus=False):  # the grid keeps the keys; the log
         return line.crop_extend(0, width, self.rich_style).apply_style(self.rich_style)
 
 
-def _row(event: ev.Event) -> tuple[int, str, int, int]:
+def _rows(event: ev.Event) -> list[tuple[int, str, int, int]]:
+    """The event's line; after a ProcessExited, the process's last lines, as notes under it."""
     seqs = sorted(event_seqs(event))
     body = describe_event(event)
     quirk_at = body.index("!") if getattr(event, "quirk", "") else -1
-    return event.seq_no, body, seqs[0] if len(seqs) == 1 else -1, quirk_at
+    rows = [(event.seq_no, body, seqs[0] if len(seqs) == 1 else -1, quirk_at)]
+    if isinstance(event, ev.ProcessExited) and event.last_lines:
+        rows.append((-1, f"{LAST_LINES_INDENT}its last {len(event.last_lines)} lines:", -1, -1))
+        rows += [(-1, f"{LAST_LINES_INDENT}│ {line}", -1, -1) for line in event.last_lines]
+    return rows
 
 
 def _text(row: tuple[int, str, int, int], dark: bool = True) -> Text:

@@ -1,7 +1,7 @@
 """The cell grid: every stream of every cache as a lane of glyphs, one per cell (or per few cells when the
 lane is wider than the screen), coloured by sequence (engine/watch/style.py), with the cursor, the head,
-the cells the last frame changed, the dry run's cells, pending shifts, and the selected sequence's window
-or attention laid over it.
+the cells the last frame changed, the dry run's cells, pending shifts, the cells a llama.cpp log shows shared
+without naming by whom, and the selected sequence's window or attention laid over it.
 
 Line API: only the visible lines are built, from arrays kept per lane; a redraw costs the visible glyphs,
 not the cache's size (bench/tui_frame.py measures it)."""
@@ -42,6 +42,7 @@ class Lane:
     first_line: int  # its title's line in the grid
     codes: np.ndarray | None = None  # CellVisibility per cell for the selected sequence, or None
     heat: np.ndarray | None = None  # attention weight per cell, or None
+    unnamed: np.ndarray | None = None  # per cell: shared by sequences a llama.cpp log does not name, or None
     text: np.ndarray | None = None  # the glyph of each glyph position (see _glyph_arrays)
     key: np.ndarray | None = None  # its style, as a key of _STYLES
 
@@ -75,16 +76,19 @@ class CellGrid(ScrollView, can_focus=True, inherit_bindings=False):
         self._titles: dict[str, str] = {}
         self._overlays: dict[tuple[str, int], np.ndarray] = {}
         self._heat: dict[tuple[str, int], np.ndarray] = {}
+        self._unnamed: dict[tuple[str, int], np.ndarray] = {}
         self._strips: dict[tuple, Strip] = {}  # the rows drawn since the last frame, by what they show
         self._previous_strips: dict[tuple, Strip] = {}  # those of the frame before
 
     # ---- what the app gives it -------------------------------------------------------------------
     def show(self, frame: Frame, titles: dict[str, str], overlays: dict[tuple[str, int], np.ndarray] | None = None,
-             heat: dict[tuple[str, int], np.ndarray] | None = None) -> None:
-        """A new frame; titles by cache name; overlays: the selected sequence's visibility codes and heat
-        its attention per cell, both by (cache, stream)."""
+             heat: dict[tuple[str, int], np.ndarray] | None = None,
+             unnamed: dict[tuple[str, int], np.ndarray] | None = None) -> None:
+        """A new frame; titles by cache name; overlays: the selected sequence's visibility codes, heat its
+        attention per cell, unnamed the cells a llama.cpp log shows shared without naming by whom (the mirror's
+        StreamState.uncertain), all by (cache, stream)."""
         self._frame, self._titles = frame, titles
-        self._overlays, self._heat = overlays or {}, heat or {}
+        self._overlays, self._heat, self._unnamed = overlays or {}, heat or {}, unnamed or {}
         self._previous_strips, self._strips = self._strips, {}
         self._layout()
 
@@ -100,8 +104,9 @@ class CellGrid(ScrollView, can_focus=True, inherit_bindings=False):
         lanes, line = [], 0
         for sf in self._frame.streams:
             folded = style.fold(sf, -(-sf.size // self.zoom))
+            key = (sf.cache, sf.stream)
             lane = Lane(sf.cache, sf.stream, self._lane_title(sf, folded), sf, folded, per_row, line,
-                        self._overlays.get((sf.cache, sf.stream)), self._heat.get((sf.cache, sf.stream)))
+                        self._overlays.get(key), self._heat.get(key), self._unnamed.get(key))
             lane.text, lane.key = _glyph_arrays(lane)
             lanes.append(lane)
             line += lane.n_lines
@@ -247,6 +252,8 @@ def _glyph_arrays(lane: Lane) -> tuple[np.ndarray, np.ndarray]:
                                                                        style.GLYPH_ONE))
         shift = lane.frame.shift
         text = np.where(shift > 0, "»", np.where(shift < 0, "«", text))
+        if lane.unnamed is not None and len(lane.unnamed) == len(text):
+            text = np.where(lane.unnamed & (owner != EMPTY), style.GLYPH_SHARED_UNNAMED, text)
     else:
         levels = np.array(style.OCCUPANCY_GLYPHS)
         text = levels[np.where(f.occupancy <= 0, 0, np.minimum(4, 1 + (f.occupancy * 4 - 1e-9).astype(int)))]

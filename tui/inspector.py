@@ -1,15 +1,17 @@
-"""The cell under the cursor: where it is, what it holds, and the story of how it got there."""
+"""The cell under the cursor: where it is, what it holds, and the story of how it got there. Of a real
+llama.cpp watched from its log, it says what the log leaves open: a shared cell's sequences it does not name,
+a position it does not give."""
 from __future__ import annotations
 
 import numpy as np
 from rich.text import Text
 
 from engine.watch import style
+from engine.watch.describe import open_seqs_words, position_text, unnamed_sharers_text
 from engine.watch.history import ALLOCATED, CellHistory
 from engine.watch.mirror import CacheMirror
 from engine.watch.visibility import SequenceVisibility
 from tui.text_panel import TextPanel
-
 
 class CellInspector(TextPanel):
     DEFAULT_CSS = """
@@ -28,6 +30,9 @@ class CellInspector(TextPanel):
         if last - first > 1:
             used = int((st.pos[first:last] >= 0).sum())
             text.append(f"{cache} stream {stream}: {used} of {last - first} cells used\n")
+            unnamed = int(st.uncertain[first:last].sum()) if st.uncertain is not None else 0
+            if unnamed:
+                text.append(f"{unnamed} shared by sequences the log does not name\n")
             text.append("zoom in (+) to see single cells", style="dim")
             self.show(text)
             return
@@ -37,10 +42,24 @@ class CellInspector(TextPanel):
         if pos < 0:
             text.append("empty", style="dim")
         else:
-            text.append(f"pos {pos} · {'seq' if len(seqs) == 1 else 'seqs'}")
-            for s in seqs:  # each in its colour; "seqs 0 1 2" rather than "seq 0 seq 1 seq 2": a narrow box
-                text.append(f" {s}", style=style.seq_color(s, self.app.current_theme.dark))
-            text.append(" ")
+            dark = self.app.current_theme.dark
+            text.append(f"{position_text(pos)} · ")
+            if st.uncertain is not None and st.uncertain[first]:
+                # the log's dump leaves the cell's sequences open: these may hold it
+                code = int(st.uncertain[first])
+                lead, why = open_seqs_words(code)
+                if len(seqs) >= 2:
+                    text.append(lead)
+                    for k, s in enumerate(seqs):
+                        text.append(("," if k else "") + f" {s}", style=style.seq_color(s, dark))
+                    text.append(f" ({why}) ")
+                else:
+                    text.append(unnamed_sharers_text(seqs, code) + " ")
+            else:
+                text.append("seq" if len(seqs) == 1 else "seqs")
+                for s in seqs:  # each in its colour; "seqs 0 1 2" rather than "seq 0 seq 1 seq 2": a narrow box
+                    text.append(f" {s}", style=style.seq_color(s, dark))
+                text.append(" ")
             token = _token_of(history, cache, stream, first)
             if token:
                 text.append(f"· token {token!r}")

@@ -1,4 +1,5 @@
-"""The key bar at the bottom: the keys of what is shown (a session's, or a replay's), fitted to the width.
+"""The key bar at the bottom: the keys of what is shown (a session's, a replay's, or those of a llama.cpp
+process watched from its log, which takes no command), fitted to the width.
 
 Textual's Footer lists every shown binding in a row that is cut at the right edge, so on an 80-column
 terminal `? help` and `q quit`, the two keys that lead to everything else, were the first to go. Here each
@@ -52,6 +53,16 @@ REPLAY_KEYS = (
     KeyHint("0-9", "seek", None, tuple(str(d) for d in range(10)), 4),
     KeyHint("j J", "next/prev of kind", None, ("j", "J"), 6),
     KeyHint("tab", "next seq", "next_seq(1)", ("tab",), 3),
+    HELP,
+    QUIT,
+)
+
+# A llama.cpp watched from its log (kvscope attach): what moves the view only; nothing is sent to the process.
+ATTACHED_KEYS = (
+    KeyHint("tab", "next seq", "next_seq(1)", ("tab",), 1),
+    KeyHint("w", "window", "toggle_window", ("w",), 2),
+    KeyHint("+ -", "zoom", None, ("plus", "minus"), 4),
+    KeyHint("f", "log filter", "log_group", ("f",), 3),
     HELP,
     QUIT,
 )

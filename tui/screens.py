@@ -70,9 +70,10 @@ def _heading(title: str, after: str = "") -> Paragraph:
     return Paragraph(text)
 
 
-def help_text(dark: bool, replay: bool) -> Group:
+def help_text(dark: bool, replay: bool, attached: bool = False) -> Group:
     """What every glyph, colour and key means, as paragraphs and tables that the dialog wraps to its width.
-    The cells first (what the screen shows), then the keys: a replay's first when a recording is shown."""
+    The cells first (what the screen shows), then the keys: a replay's first when a recording is shown; only
+    those that move the view when a llama.cpp process is watched (attached), which takes no command."""
     colours = Text()
     colours.append("Sequences", style="bold")
     colours.append(' keep one colour everywhere (on a light theme, ctrl+p "theme", the same hues come darker, '
@@ -86,6 +87,8 @@ def help_text(dark: bool, replay: bool) -> Group:
         (Text(style.GLYPH_EMPTY, style=empty), "empty"),
         (Text(style.GLYPH_ONE, style=one), "one sequence (its colour)"),
         (Text(style.GLYPH_SHARED), "several sequences (the inspector says which)"),
+        (Text(style.GLYPH_SHARED_UNNAMED), ("several sequences that a llama.cpp log does not name (an 'M' of its "
+                                           "dump: the inspector lists those that may hold the cell)")),
         (Text(style.GLYPH_ONE, style=f"bold underline {one}"), "changed since the last frame (bold, underlined)"),
         (style.GLYPH_TENTATIVE, "touched by a dry run (a slot search that is undone)"),
         (Text(style.GLYPH_QUIRK, style=style.QUIRK_COLOR),
@@ -126,9 +129,23 @@ def help_text(dark: bool, replay: bool) -> Group:
         ("j J", "the next / previous event of the kinds the log shows (f g c)"),
         ("tab, arrows", "the selected sequence and the cursor, as in a session"),
     ])
+    attached_keys = Rows([
+        ("arrows, mouse", "the cell under the cursor, explained beside the grid"),
+        ("[ ]", "the lane before / after"),
+        ("tab shift+tab", "the next / previous sequence: its window is shown"),
+        ("w", "the window overlay: on / off"),
+        ("+ -", "zoom in / out"),
+        ("f g c", "the log's filters: kind of event, the selected sequence, the cache under the cursor"),
+        ("? q", "this help, quit"),
+    ])
     keys = [_heading("Keys of a replay", "(kvscope tui --replay FILE)"), replay_keys, BLANK,
             _heading("Keys of a session"), session_keys]
-    if not replay:
+    if attached:
+        keys = [_heading("Keys of a watched llama.cpp", (
+            "(kvscope attach): kvscope only watches it. The cells are what its own log shows (its slot-search "
+            "dumps); nothing is sent to the process, which is never stepped, paused, prompted or changed from "
+            "here.")), attached_keys]
+    elif not replay:
         keys = keys[3:] + [BLANK] + keys[:2]
     part, outcome = style.PROMPT_PART_COLORS, style.OUTCOME_COLORS
     return Group(
@@ -146,10 +163,10 @@ def help_text(dark: bool, replay: bool) -> Group:
         _heading("QUIRKs", "llama.cpp behaviour that looks unintended is reproduced, and its events say so (a ! in "
                            "the log): the dry run's SWA purge, the heads after a failed dry run, seq_div's shift "
                            "sign, the server's needless checkpoint search."), BLANK,
-        _heading("Server slots", "(--workload server: llama-server's slots, slot i on sequence i) each slot's last "
-                                 "prompt as a bar, its last turns, the checkpoints it holds (their token counts) "
-                                 "and their host memory (a part of the CPU bar). The log's \"server\" filter (f) "
-                                 "shows the server's own lines."),
+        _heading("Server slots", "(--workload server, or a real llama-server watched from its log: its slots, slot i "
+                                 "on sequence i) each slot's last prompt as a bar, its last turns (task and outcome), "
+                                 "the checkpoints it holds (their token counts) and their host memory (a part of the "
+                                 "CPU bar). The log's \"server\" filter (f) shows the server's own lines."),
         Rows([(Text("█", style=part["reused"]), "prompt tokens served by the cache"),
               (Text("▓", style=part["lost"]), "held by the cache but processed again"),
               (Text("░", style=part["new"]), "new"),
@@ -168,14 +185,15 @@ class HelpScreen(ModalScreen[None]):
                                   border: round $accent; background: $surface; padding: 1 2; }
     """
 
-    def __init__(self, replay: bool = False) -> None:
-        """replay: a recording is shown (its keys come first)."""
+    def __init__(self, replay: bool = False, attached: bool = False) -> None:
+        """replay: a recording is shown (its keys come first); attached: a llama.cpp watched from its log (only
+        the keys that move the view)."""
         super().__init__()
-        self.replay = replay
+        self.replay, self.attached = replay, attached
 
     def compose(self) -> ComposeResult:
         with VerticalScroll():
-            yield Static(help_text(self.app.current_theme.dark, self.replay), id="help")
+            yield Static(help_text(self.app.current_theme.dark, self.replay, self.attached), id="help")
 
 
 class PromptScreen(ModalScreen[str | None]):

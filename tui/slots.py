@@ -1,10 +1,12 @@
-"""A simulated llama-server's slots beside the grid: what each slot runs, how much of its last prompt the
-cache served (reused, held but recomputed, new), the last turns' outcomes and the checkpoints it holds."""
+"""A llama-server's slots beside the grid (kvscope's simulation, or a real one watched from its log): what each
+slot runs, how much of its last prompt the cache served (reused, held but recomputed, new), the last turns'
+outcomes and the checkpoints it holds."""
 from __future__ import annotations
 
 from rich.text import Text
 
 from engine.watch import style
+from engine.watch.describe import turn_decision
 from engine.watch.server_slots import ServerSlots, SlotView, TurnView
 from tui.devices import mib
 from tui.text_panel import TextPanel
@@ -61,22 +63,23 @@ def _slot_lines(text: Text, view: SlotView, dark: bool, bar: int) -> None:
         text.append(f" {turn.n_past} reused", style=style.PROMPT_PART_COLORS["reused"])
         if turn.lost:
             text.append(f" {turn.lost} lost", style=style.PROMPT_PART_COLORS["lost"])
-        if turn.decision():
-            text.append(f"\n {turn.decision()}", style=style.OUTCOME_COLORS[turn.outcome])
+        decision = turn_decision(turn)
+        if decision:
+            text.append(f"\n {decision}", style=style.OUTCOME_COLORS[turn.outcome])
     if view.turns:
         text.append("\n ")
         shown, room = [], bar + 20
         for t in reversed(list(view.turns)[-SHOWN_TURNS:]):  # the latest that fit on the line
-            room -= len(t.outcome) + 1 + bool(t.quirk)
+            room -= len(_turn_mark(t)) + bool(t.quirk)
             if room < 0:
                 break
             shown.append(t)
         for t in reversed(shown):
-            text.append(f"▏{t.outcome}", style=style.OUTCOME_COLORS.get(t.outcome, ""))
+            text.append(_turn_mark(t), style=style.OUTCOME_COLORS.get(t.outcome, ""))
             if t.quirk:
                 text.append(style.GLYPH_QUIRK, style=style.QUIRK_COLOR)
     if view.checkpoints:
-        head = f"\n checkpoints {len(view.checkpoints)} · {mib(view.checkpoint_bytes)} "
+        head = f"\n checkpoints {len(view.checkpoints)} · {_size(view.checkpoint_bytes)} "
         marks, room = [], bar + 22 - len(head)
         for n in sorted(view.checkpoints, reverse=True)[:SHOWN_CHECKPOINTS]:  # the latest that fit
             room -= len(str(n)) + 2
@@ -94,3 +97,13 @@ def _bar(text: Text, turn: TurnView, width: int) -> None:
     text.append("█" * reused, style=style.PROMPT_PART_COLORS["reused"])
     text.append("▓" * lost, style=style.PROMPT_PART_COLORS["lost"])
     text.append("░" * (width - reused - lost), style=style.PROMPT_PART_COLORS["new"])
+
+
+def _turn_mark(turn: TurnView) -> str:
+    """A finished turn in the slot's row of turns: its task, as the server's log names it, and its outcome."""
+    return f"▏{turn.task} {turn.outcome}"
+
+
+def _size(n: int) -> str:
+    """Host memory of checkpoints: a small model's take KiB, which "0.0 MiB" would show as nothing."""
+    return f"{n / 2**10:.0f} KiB" if n < 2**20 else mib(n)

@@ -1,14 +1,16 @@
-"""The status line: what runs (or where a replay stands), how fast, how full the caches are, and whether the
-view is right (the parts come from the watch layer, as the notebook explorer's). It fits its width: the
-source's label and the speed go first, the state, the step and any warning never."""
+"""The status line: what runs (or where a replay stands, or which llama.cpp log is watched and how its reading
+goes), how fast, how full the caches are, and whether the view is right (the parts come from the watch layer,
+as the notebook explorer's). It fits its width: the source's label and the speed go first, the state, the
+step and any warning never."""
 from __future__ import annotations
 
-from engine.watch.describe import status_parts
+from engine.watch.describe import attached_status_parts, status_parts
 from engine.watch.watcher import Watcher
 from tui.fit import FittedLine, Part
 
 TONES = {"running": "bold reverse", "state": "bold", "error": "bold red", "warning": "yellow", "": ""}
 DECODE_RANK, SPEED_RANK, CACHE_RANK, LABEL_RANK = 4, 3, 2, 9
+DUMPS_RANK, DROPPED_RANK, NOT_UNDERSTOOD_RANK = 1, 3, 5  # a watched log's figures; dropped dumps, when any, never go
 
 
 class StatusLine(FittedLine):
@@ -42,4 +44,25 @@ class StatusLine(FittedLine):
                 parts.append(Part(text, TONES[tone], rank=CACHE_RANK if tone == "" else 0))
         if source_label:
             parts.append(Part(source_label, "dim", rank=LABEL_RANK, shrinks=True))
+        self.show_parts(parts)
+
+    def show_attached_status(self, watcher: Watcher, log_label: str = "") -> None:
+        """A llama.cpp watched from its log: what is watched and how it ended, the log's figures, the caches.
+        log_label: a saved log's path (a process says who it is in its first part)."""
+        (state, tone), *rest = attached_status_parts(watcher)
+        parts = [Part(state, TONES[tone])]
+        for text, tone in rest:
+            if tone:
+                rank = 0  # a warning (dumps dropped, the view behind) is never left out
+            elif text.endswith(" read"):
+                rank = DUMPS_RANK
+            elif text.endswith(" dropped to keep up"):
+                rank = DROPPED_RANK
+            elif text.endswith(" not understood"):
+                rank = NOT_UNDERSTOOD_RANK
+            else:
+                rank = CACHE_RANK
+            parts.append(Part(text, TONES[tone], rank=rank))
+        if log_label and log_label not in state:
+            parts.append(Part(log_label, "dim", rank=LABEL_RANK, shrinks=True))
         self.show_parts(parts)

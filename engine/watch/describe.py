@@ -2,6 +2,7 @@
 event concerns (for the logs' filters)."""
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 
 import numpy as np
@@ -9,11 +10,13 @@ import numpy as np
 from engine import events as ev
 from engine.watch.frames import EMPTY, SHARED
 
+SEEN_CAUSES = ("seen ", "restated")  # CellsSeen causes that are observations (engine/watch/llama_log/parser.py)
 EVENT_GROUPS = ("all", "cells", "decodes", "tokens", "commands", "server", "quirks")
 SERVER_KINDS = ("ServerLogLine", "ServerTaskStarted", "ServerPromptReused", "CheckpointChanged", "ServerTaskFinished",
                 "ServerSlotChanged")
 GROUP_KINDS = {"cells": ("CellsChanged",), "decodes": ("DecodeStarted", "DecodeFinished", "SlotSearchFailed", "WorkloadStep"),
-               "tokens": ("TokenSampled", "SequenceAssigned"), "commands": ("CommandDone", "SessionStatus"),
+               "tokens": ("TokenSampled", "SequenceAssigned"),
+               "commands": ("CommandDone", "SessionStatus", "ProcessExited"),
                "server": SERVER_KINDS}
 
 
@@ -24,7 +27,9 @@ def describe_event(event: ev.Event) -> str:
         if event.tentative:
             text += "  (dry run)"
         if event.cause:
-            text += f"  by {event.cause}"
+            # a log's dump says when cells were seen, not what did it, unless a line before it said so
+            observed = isinstance(event, ev.CellsSeen) and event.cause.startswith(SEEN_CAUSES)
+            text += f"  {event.cause}" if observed else f"  by {event.cause}"
     if getattr(event, "quirk", ""):
         text += f"  ! {event.quirk}"
     return text
@@ -87,6 +92,10 @@ def _what(event: ev.Event) -> str:
         return f"{kind} {event.count} events lost: resyncing"
     if isinstance(event, ev.DeviceMemoryChanged):
         return f"{kind} {event.device} {event.what} {event.delta / 2**20:+.2f} MiB"
+    if isinstance(event, ev.ProcessExited):
+        return f"{kind} {process_exit_text(event)}"
+    if isinstance(event, ev.LogStats):
+        return f"{kind} {event.source}: {_count(event.lines, 'line')}, " + ", ".join(log_figures(event))
     return _server_what(event, kind)
 
 
@@ -94,7 +103,10 @@ def _server_what(event: ev.Event, kind: str) -> str:
     if isinstance(event, ev.ServerLogLine):
         return f"{ev.SERVER_LOG_LETTERS[event.level]} {event.text}"
     if isinstance(event, ev.ServerTaskStarted):
-        how = {"id": "by its id", "similarity": f"by similarity {event.similarity:.3f}", "lru": "least recently used"}
+        # a real llama-server's log may not say how the slot was chosen, nor the similarity (-1)
+        similarity = f"by similarity {event.similarity:.3f}" if event.similarity >= 0 else "by prompt similarity"
+        how = {"id": "by its id", "similarity": similarity, "lru": "least recently used",
+               "": "(the log does not say how)"}
         return (f"{kind} slot {event.slot}: task {event.task}" + (f" ({event.label})" if event.label else "") +
                 f", slot chosen {how.get(event.selected_by, event.selected_by)}, {event.n_prompt} prompt tokens")
     if isinstance(event, ev.ServerPromptReused):
@@ -107,8 +119,11 @@ def _server_what(event: ev.Event, kind: str) -> str:
         return text
     if isinstance(event, ev.CheckpointChanged):
         why = f" ({event.why})" if event.why else ""
-        return (f"{kind} slot {event.slot} {event.action}{why} [{event.pos_min}, {event.pos_max}] n_tokens "
-                f"{event.n_tokens}, {event.n_bytes / 2**20:.3f} MiB; {event.n_held} held")
+        # a checkpoint a real llama-server's log erased without having shown it: its range and size are not known
+        span = f"[{event.pos_min}, {event.pos_max}]" if event.pos_max >= 0 else "[range not in the log]"
+        size = f"{event.n_bytes / 2**20:.3f} MiB" if event.n_bytes > 0 or event.pos_max >= 0 else "size not in the log"
+        return (f"{kind} slot {event.slot} {event.action}{why} {span} n_tokens {event.n_tokens}, {size}; "
+                f"{event.n_held} held")
     if isinstance(event, ev.ServerSlotChanged):
         return f"{kind} slot {event.slot} {event.why}: keeps {_count(event.n_kept, 'token')}"
     if isinstance(event, ev.ServerTaskFinished):
@@ -119,9 +134,10 @@ def _server_what(event: ev.Event, kind: str) -> str:
 
 
 def event_seqs(event: ev.Event) -> set[int]:
-    """The sequences an event names (empty when it names none): an allocation's, those it placed; other
-    cell events, the one the operation was about (not every sequence of the cells they touched)."""
-    if isinstance(event, ev.CellsAllocated):
+    """The sequences an event names (empty when it names none): an allocation's, those it placed (and a
+    log's CellsSeen, those of the cells it shows); other cell events, the one the operation was about (not
+    every sequence of the cells they touched)."""
+    if isinstance(event, (ev.CellsAllocated, ev.CellsSeen)):  # a log's dump: the sequences of the cells it shows
         rows = [c.seq_bits for c in event.changes if len(c.seq_bits)]
         if not rows:
             return set()
@@ -149,7 +165,7 @@ def event_group(event: ev.Event) -> str:
         return "decodes"
     if isinstance(event, (ev.TokenSampled, ev.SequenceAssigned)):
         return "tokens"
-    if isinstance(event, (ev.CommandDone, ev.SessionStatus)):
+    if isinstance(event, (ev.CommandDone, ev.SessionStatus, ev.ProcessExited)):
         return "commands"
     if type(event).__name__ in SERVER_KINDS:
         return "server"
@@ -169,6 +185,8 @@ class EventFilter:
             raise ValueError(f"event group {self.group!r}: the groups are {', '.join(EVENT_GROUPS)}")
 
     def keeps(self, event: ev.Event) -> bool:
+        if isinstance(event, ev.LogStats):
+            return False  # the status line's figures: a line each second would push the cache's events out
         if self.group == "quirks":
             if not getattr(event, "quirk", ""):
                 return False
@@ -246,20 +264,33 @@ def status_parts(watcher, *, with_error: bool = False) -> list[tuple[str, str]]:
         parts.append((f"decode {decode}" if decode >= 0 else "no decode yet", ""))
     else:
         parts.append((f"step {step}" + (f" (decode {decode})" if decode >= 0 else ""), ""))
+    parts += _cache_parts(watcher) + _health_parts(watcher)
+    if with_error and watcher.last_error is not None:
+        e = watcher.last_error
+        parts.append((f"last error: {e.command}: {e.error}", "error"))
+    return parts
+
+
+def _cache_parts(watcher) -> list[tuple[str, str]]:
+    """How full each cache is, and its pending shifts."""
+    parts = []
     for name, cache in watcher.mirror.caches.items():
         used = sum(int((st.pos >= 0).sum()) for st in cache.streams)
         shifts = sum(int((st.shift != 0).sum()) for st in cache.streams)
         parts.append((f"{name} {used}/{cache.size * len(cache.streams)}" + (f" ({shifts} to shift)" if shifts else ""),
                       ""))
+    return parts
+
+
+def _health_parts(watcher) -> list[tuple[str, str]]:
+    """Whether the view is behind, lost events or is stale."""
+    parts = []
     if watcher.backlog:
         parts.append((f"catching up: {watcher.backlog} events", "warning"))
     if watcher.dropped:
         parts.append((f"dropped {watcher.dropped}, resynced {watcher.resyncs}", "warning"))
     if watcher.stale:
         parts.append(("STALE", "error"))
-    if with_error and watcher.last_error is not None:
-        e = watcher.last_error
-        parts.append((f"last error: {e.command}: {e.error}", "error"))
     return parts
 
 
@@ -274,3 +305,107 @@ def tokens_per_second(steps, now: float) -> float:
         return 0.0
     span = recent[-1].time - recent[0].time + recent[0].ms / 1e3
     return sum(s.n_sampled for s in recent) / span if span > 0 else 0.0
+
+
+# ---- a real llama.cpp watched from its own log (engine/runners/attach.py, engine/watch/llama_log) ------------------
+UNNAMED_SHARERS = "the log does not say which"
+UNNAMED_SHARERS_LEAD = "shared by 2 or more of seqs"  # then the ids (the terminal explorer colours each)
+READ_TWO_WAYS = "the log's map reads more than one way here"
+READ_TWO_WAYS_LEAD = "held by one or more of seqs"
+
+
+def open_seqs_words(code: int) -> tuple[str, str]:
+    """(lead, why) of a cell whose sequences a log leaves open (engine.events.SEQS_* codes)."""
+    if code == ev.SEQS_READ_TWO_WAYS:
+        return READ_TWO_WAYS_LEAD, READ_TWO_WAYS
+    return UNNAMED_SHARERS_LEAD, UNNAMED_SHARERS
+
+
+def position_text(pos: int) -> str:
+    """A held cell's position as both explorers say it: "pos 41", or "position not in the log" for a cell a
+    llama.cpp log's dump shows held without a readable position (POS_UNKNOWN)."""
+    return "position not in the log" if pos == ev.POS_UNKNOWN else f"pos {pos}"
+
+
+def unnamed_sharers_text(seqs: list[int], code: int = ev.SEQS_SHARED_UNNAMED) -> str:
+    """A cell whose sequences a log's dump leaves open (engine.events.CellsSeen's `uncertain` code), as both
+    explorers say it: "shared by 2 or more of seqs 0, 1, 2 (the log does not say which)" for an 'M' cell (the
+    sequences whose positions in the dump cover the cell's), "held by one or more of seqs 1, 12 (the log's
+    map reads more than one way here)" where ids of several lengths split more than one way."""
+    lead, why = open_seqs_words(code)
+    if len(seqs) >= 2 or code == ev.SEQS_READ_TWO_WAYS:
+        return f"{lead} {', '.join(map(str, seqs))} ({why})"
+    return f"shared by 2 or more sequences ({why})"
+
+
+def log_figures(stats: ev.LogStats) -> list[str]:
+    """How the reading of a llama.cpp log goes, in words: dumps read, dumps dropped to keep up, lines not
+    understood."""
+    return [f"{_count(stats.dumps, 'dump')} read", f"{stats.dumps_dropped} dropped to keep up",
+            f"{_count(stats.skipped, 'line')} not understood"]
+
+
+def process_exit_text(event: ev.ProcessExited) -> str:
+    """How a watched process ended: "llama-server exited with status 3", "llama-server was killed by signal 9
+    (SIGKILL)", or, when kvscope ended it, "llama-server ended by kvscope"."""
+    program = event.program or "the process"
+    who = f"{program} (pid {event.pid})" if event.pid > 0 else program
+    if event.ended_by_kvscope:
+        return f"{who} ended by kvscope"
+    if event.returncode < 0:
+        return f"{who} was killed by signal {-event.returncode}{_signal_name(-event.returncode)}"
+    return f"{who} exited with status {event.returncode}"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return f" ({signal.Signals(number).name})"
+    except ValueError:
+        return ""
+
+
+def latest(watcher, kind: type):
+    """The latest of the watcher's recent events of `kind`, None when they hold none (a LogStats comes about
+    once a second, and a ProcessExited just before the "exited" status: they are near the end)."""
+    for event in reversed(watcher.recent):
+        if isinstance(event, kind):
+            return event
+    return None
+
+
+def attached_status_parts(watcher) -> list[tuple[str, str]]:
+    """The status line of a watched llama.cpp log as (text, tone) parts, as status_parts gives a session's:
+    what is watched and how it ended ("attached to llama-server (pid 4242)", "log read to its end",
+    "llama-server (pid 4242) exited with status 3"), how the reading goes (log_figures, from the last
+    LogStats), how full each cache is, and whether the view is behind."""
+    status = watcher.status
+    state = status.state if status else "attached"
+    if state == "exited":
+        exited = latest(watcher, ev.ProcessExited)
+        failed = exited is not None and exited.returncode != 0 and not exited.ended_by_kvscope
+        parts = [(process_exit_text(exited) if exited else status.message, "error" if failed else "state")]
+    elif state == "finished":
+        parts = [("log read to its end", "state")]
+    else:
+        parts = [(status.message if status and status.message else state, "running" if state == "attached"
+                  else "state")]
+    stats = latest(watcher, ev.LogStats)
+    if stats is not None:
+        read, dropped, skipped = log_figures(stats)
+        parts += [(read, ""), (dropped, "warning" if stats.dumps_dropped else ""), (skipped, "")]
+        if stats.behind_bytes:
+            parts.append((f"{stats.behind_bytes / 2**20:.1f} MiB of log not parsed yet", "warning"))
+    return parts + _cache_parts(watcher) + _health_parts(watcher)
+
+
+def turn_decision(turn) -> str:
+    """Why a server's cache served what it did for a turn (engine.watch.server_slots.TurnView), in a few words
+    (the slots panel, ServerView's hover); what a real llama-server's log does not give (-1) is said to be
+    not known rather than shown as a number."""
+    if turn.outcome == "restored":
+        return f"checkpoint at {turn.restored_n_tokens} restored"
+    if turn.outcome == "forced":
+        cache = f"cache from pos {turn.pos_min}" if turn.pos_min >= 0 else "cache from a pos not in the log"
+        window = f"window needs {turn.pos_min_thold}" if turn.pos_min_thold >= 0 else "window's need not in the log"
+        return f"{cache}, {window}: no checkpoint"
+    return ""

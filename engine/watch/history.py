@@ -3,6 +3,9 @@
     allocated in decode 12 for seq 2 (client 1, request 5), token ' the', pos 41; shifted -64 by the
     context shift of seq 2 after decode 80
 
+A real llama.cpp read from its log (CellsSeen) gives each cell what its dumps showed, and why where a line
+said so: "pos 41, seq 0: seen at the slot search of ubatch 12".
+
 Decodes are counted as the context counts them (DecodeStarted.step: every llama_decode call, the system
 prompt's and a retried batch's too), not as a workload counts its steps.
 
@@ -20,7 +23,8 @@ import numpy as np
 
 from engine import events as ev
 
-ALLOCATED, SEQ_REMOVED, FREED, SHARED, SHIFTED, DIVIDED, KEYS_ROTATED, RESTORED = range(1, 9)
+ALLOCATED, SEQ_REMOVED, FREED, SHARED, SHIFTED, DIVIDED, KEYS_ROTATED, RESTORED, SEEN = range(1, 10)
+SEVERAL_SEQS = -2  # the seq of a SEEN entry of a cell several sequences hold
 _FIELDS = ("kind", "step", "in_decode", "seq", "token", "pos", "amount", "why")  # int32 columns; seq_no apart
 
 
@@ -104,9 +108,10 @@ def _entry_rows(queued: list[tuple], size: int) -> tuple[np.ndarray, np.ndarray,
             streams.append(np.full(n, change.stream * size, dtype=np.int64))
             pos.append(change.pos)
             n_event += n
-            if kind == ALLOCATED:
+            if kind == ALLOCATED or kind == SEEN:
                 bits.append(change.seq_bits)
-                tokens.append(event.tokens[k] if len(event.tokens) == len(event.changes) else np.full(n, -1))
+                tokens.append(event.tokens[k] if kind == ALLOCATED and len(event.tokens) == len(event.changes)
+                              else np.full(n, -1))
                 alloc_rows.append(np.arange(n_rows, n_rows + n))
             n_rows += n
         seq, amount = _seq_and_amount(event)
@@ -128,8 +133,13 @@ def _entry_rows(queued: list[tuple], size: int) -> tuple[np.ndarray, np.ndarray,
                                               else [np.zeros(len(c.cells)) for c in e.changes])])
     if alloc_rows:
         at = np.concatenate(alloc_rows)
-        values[at, 3] = _first_seq(np.concatenate(bits))
+        held = np.concatenate(bits)
+        values[at, 3] = _first_seq(held)
         values[at, 4] = np.concatenate(tokens)
+        seen = values[at, 0] == SEEN  # a log's cell: empty, or held by several sequences
+        counts = ev.seq_counts(held)
+        values[at[seen & (counts == 0)], 3] = -1
+        values[at[seen & (counts > 1)], 3] = SEVERAL_SEQS
     return rows, expanded[:, 6], values
 
 
@@ -260,6 +270,10 @@ class CellHistory:
             return f"position divided by {e.amount} to {e.pos}{by} {when}"
         if e.kind == KEYS_ROTATED:
             return f"keys re-rotated by {e.amount:+d} (K-shift) {when}"
+        if e.kind == SEEN:  # a llama.cpp log's dump: no decode steps, the cause says when
+            held = "empty" if e.pos == -1 else "pos " + ("?" if e.pos == ev.POS_UNKNOWN else str(e.pos)) + (
+                ", several seqs" if e.seq == SEVERAL_SEQS else f", seq {e.seq}")
+            return f"{held}: {e.why}"
         return f"restored (pos {e.pos}){by} {when}"
 
     def _request(self, seq: int, seq_no: int) -> str:
@@ -284,7 +298,8 @@ def _kind_of(event: ev.CellsChanged) -> int | None:
         return RESTORED if event.cause else None  # a snapshot with a cause: cells written by a state load
     if isinstance(event, ev.CellsShifted):
         return DIVIDED if event.op == "div" else SHIFTED
-    return {ev.CellsAllocated: ALLOCATED, ev.CellsCopied: SHARED, ev.KShiftApplied: KEYS_ROTATED}.get(type(event))
+    return {ev.CellsAllocated: ALLOCATED, ev.CellsCopied: SHARED, ev.KShiftApplied: KEYS_ROTATED,
+            ev.CellsSeen: SEEN}.get(type(event))
 
 
 def _operation(event: ev.CellsChanged) -> str:

@@ -29,8 +29,8 @@ class StreamState:
     shift: np.ndarray
     seq_bits: np.ndarray  # (size, 32) uint8: each cell's sequence bitset, little-endian bit order
     head: int = 0
-    # cells whose seq_bits are only the sequences that may hold them (a log's 'M' cell, engine.events.CellsSeen);
-    # None while there are none, so that the engine's events pay nothing for it
+    # uint8 per cell: where not 0, seq_bits are only the sequences that may hold the cell (a log's 'M' cell:
+    # engine.events.CellsSeen and its SEQS_* codes); None while there are none, so the engine's events pay nothing
     uncertain: np.ndarray | None = None
 
     def uncertain_cells(self) -> np.ndarray:
@@ -163,7 +163,7 @@ class CacheMirror:
                 st.shift[cells] = change.shift
                 st.seq_bits[cells] = change.seq_bits
             if st.uncertain is not None and not isinstance(event, ev.CellsSeen):
-                st.uncertain[change.cells] = False  # the engine's events say exactly who holds a cell
+                st.uncertain[change.cells] = 0  # the engine's events say exactly who holds a cell
             st.head = change.head
         if isinstance(event, ev.MemorySnapshot):
             self.stale = False
@@ -173,9 +173,9 @@ class CacheMirror:
         for change, flags in zip(event.changes, event.uncertain or [None] * len(event.changes)):
             st = cache.streams[change.stream]
             if flags is not None and flags.any() and st.uncertain is None:
-                st.uncertain = np.zeros(cache.size, dtype=bool)
+                st.uncertain = np.zeros(cache.size, dtype=np.uint8)
             if st.uncertain is not None:
-                st.uncertain[change.cells] = flags if flags is not None else False
+                st.uncertain[change.cells] = flags if flags is not None else 0
 
     # ---- the same views as the engine's memory ------------------------------------------------
     def cells(self, stream: int = 0, cache: str = "kv") -> list[tuple[int, frozenset[int], int]]:
@@ -226,7 +226,7 @@ class CacheMirror:
             cells = st.uncertain_cells()
             if len(cells):
                 changes.append(ev.StreamCells(s, cells, st.pos[cells], st.shift[cells], st.seq_bits[cells], st.head))
-                flags.append(np.ones(len(cells), dtype=bool))
+                flags.append(st.uncertain[cells])
         return [ev.CellsSeen(cache=cache.name, changes=tuple(changes), uncertain=tuple(flags),
                              cause="restated")] if changes else []
 
@@ -238,7 +238,9 @@ class CacheMirror:
         with self._lock:
             return {
                 "caches": {name: [{"pos": st.pos.copy(), "shift": st.shift.copy(), "seq_bits": st.seq_bits.copy(),
-                                   "head": st.head, "uncertain": st.uncertain_cells()} for st in cache.streams]
+                                   "head": st.head, "uncertain": st.uncertain_cells(),
+                                   "uncertain_codes": st.uncertain[st.uncertain_cells()] if st.uncertain is not None
+                                   else np.zeros(0, dtype=np.uint8)} for st in cache.streams]
                            for name, cache in self.caches.items()},
                 "created": {name: record_data(e, skip=SNAPSHOT_SKIPS) for name, e in self.created.items()},
                 "vocabulary": record_data(self.vocabulary, skip=SNAPSHOT_SKIPS),

@@ -6,7 +6,8 @@ folded into glyphs that each stand for several cells.
   eight, black replaced by a grey that shows on dark and light backgrounds, and four tints of them);
   sequence s always gets PALETTE[s % 12], in both UIs, in every run.
 - A cell is empty (a dim dot), held by one sequence (a solid block in its colour) or by several (a
-  distinct light shade, the count on inspection); marks add what changed since the previous frame,
+  distinct light shade, the count on inspection; a coarser checker when a real llama.cpp's log shows it
+  shared without naming by whom, engine.events.CellsSeen); marks add what changed since the previous frame,
   what a dry run touched, a pending shift, and the cells a QUIRK event touched.
 - Folding: when a lane has more cells than columns, each glyph covers `cells_per_glyph` cells and is
   shaded by their occupancy, coloured by the sequence holding most of them.
@@ -49,6 +50,9 @@ OUTCOME_COLORS = {"new": "#999999", "kept": "#009E73", "restored": "#56B4E9", "f
 GLYPH_EMPTY = "·"
 GLYPH_ONE = "█"
 GLYPH_SHARED = "▒"
+# shared, by sequences a llama.cpp log does not name (its dump's 'M'): the shared shade's coarser kin, in the shared
+# colour; '?' would read as the dry run's mark
+GLYPH_SHARED_UNNAMED = "▚"
 GLYPH_TENTATIVE = "?"
 GLYPH_QUIRK = "!"  # a cell an event reproducing a llama.cpp QUIRK touched (the event log says which)
 GLYPH_HEAD = "▼"

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.events import POS_UNKNOWN, SEQ_BITS_BYTES
+from engine.events import POS_UNKNOWN, SEQ_BITS_BYTES, SEQS_READ_TWO_WAYS, SEQS_SHARED_UNNAMED
 
 SUMMARY = re.compile(r"find_slot: stream\[(\d+)\], n = +(-?\d+), used = +(\d+), head = +(\d+), size = +(\d+), "
                      r"n_swa = +(-?\d+)\s*$")
@@ -76,7 +76,7 @@ class StreamPicture:
 
     pos: np.ndarray  # int64 (size,): -1 empty, POS_UNKNOWN held at a position not read
     seq_bits: np.ndarray  # uint8 (size, 32)
-    uncertain: np.ndarray  # bool (size,): seq_bits are the sequences that may hold the cell
+    uncertain: np.ndarray  # uint8 (size,): 0, or how seq_bits are only the sequences that may hold it (events.SEQS_*)
     head: int
     used: int
 
@@ -90,7 +90,7 @@ def decode(raw: RawDump) -> StreamPicture:
     pos = _positions(raw)
     held = pos != -1
     seq_bits = np.zeros((size, SEQ_BITS_BYTES), dtype=np.uint8)
-    uncertain = np.zeros(size, dtype=bool)
+    uncertain = np.zeros(size, dtype=np.uint8)
     map_text = "".join(_row_body(r) for r in raw.map_rows)
     present = sorted(raw.ranges)
     if len(map_text) == size:
@@ -187,7 +187,7 @@ def _shared(cells: np.ndarray, seq_bits: np.ndarray, uncertain: np.ndarray, pos:
         maybe = [s for s, (lo, hi) in ranges.items() if p == POS_UNKNOWN or lo <= p <= hi]
         for s in maybe:
             seq_bits[cell, s >> 3] |= np.uint8(1 << (s & 7))
-        uncertain[cell] = len(maybe) != 2
+        uncertain[cell] = 0 if len(maybe) == 2 else SEQS_SHARED_UNNAMED
 
 
 def _mixed_widths(raw: RawDump, held: np.ndarray, seq_bits: np.ndarray, uncertain: np.ndarray, pos: np.ndarray,
@@ -229,13 +229,13 @@ def _mixed_widths(raw: RawDump, held: np.ndarray, seq_bits: np.ndarray, uncertai
                 rest = np.flatnonzero(held[cell:first + n]) + cell
                 for s in names.values():
                     seq_bits[rest, s >> 3] |= np.uint8(1 << (s & 7))
-                uncertain[rest] = True
+                uncertain[rest] = SEQS_READ_TWO_WAYS
                 lost = True
                 break
             for j, ids in enumerate(choices):
                 for s in ids:
                     seq_bits[cell + j, s >> 3] |= np.uint8(1 << (s & 7))
-                uncertain[cell + j] = len(ids) > 1
+                uncertain[cell + j] = SEQS_READ_TWO_WAYS if len(ids) > 1 else 0
             cell += k
     _shared(np.array(shared_cells, dtype=np.int64), seq_bits, uncertain, pos, raw.ranges)
 

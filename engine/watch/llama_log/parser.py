@@ -368,7 +368,7 @@ class LlamaLogParser:
 
 def _empty_picture(size: int) -> StreamPicture:
     return StreamPicture(np.full(size, -1, dtype=np.int64), np.zeros((size, ev.SEQ_BITS_BYTES), dtype=np.uint8),
-                         np.zeros(size, dtype=bool), 0, 0)
+                         np.zeros(size, dtype=np.uint8), 0, 0)
 
 
 def _holds(bits: np.ndarray, seq: int) -> np.ndarray:
@@ -381,14 +381,14 @@ def _apply_copies(old: StreamPicture, new: StreamPicture, copies: list[Copy]) ->
         return
     for cp in copies:
         p1 = cp.p1 if cp.p1 >= 0 else np.iinfo(np.int64).max
-        was_src_only = _holds(old.seq_bits, cp.src) & ~old.uncertain & (ev.seq_counts(old.seq_bits) == 1)
-        cells = (new.uncertain & was_src_only & (old.pos == new.pos) & (new.pos >= max(cp.p0, 0)) & (new.pos < p1)
+        was_src_only = _holds(old.seq_bits, cp.src) & (old.uncertain == 0) & (ev.seq_counts(old.seq_bits) == 1)
+        cells = ((new.uncertain == ev.SEQS_SHARED_UNNAMED) & was_src_only & (old.pos == new.pos) & (new.pos >= max(cp.p0, 0)) & (new.pos < p1)
                  & _holds(new.seq_bits, cp.src) & _holds(new.seq_bits, cp.dst))
         for cell in np.flatnonzero(cells).tolist():
             new.seq_bits[cell] = 0
             for s in (cp.src, cp.dst):
                 new.seq_bits[cell, s >> 3] |= np.uint8(1 << (s & 7))
-            new.uncertain[cell] = False
+            new.uncertain[cell] = 0
 
 
 def _seen(cache: str, stream: int, cells: np.ndarray, picture: StreamPicture, ubatch: int, cause: str) -> ev.CellsSeen:
@@ -397,4 +397,4 @@ def _seen(cache: str, stream: int, cells: np.ndarray, picture: StreamPicture, ub
                             ev._frozen_fresh(np.zeros(len(cells), dtype=np.int64)),
                             ev._frozen_fresh(picture.seq_bits[cells], np.uint8), picture.head)
     return ev.CellsSeen(cache=cache, changes=(change,), cause=cause, ubatch=ubatch,
-                        uncertain=(ev._frozen_fresh(picture.uncertain[cells], bool),))
+                        uncertain=(ev._frozen_fresh(picture.uncertain[cells], np.uint8),))
