@@ -11,7 +11,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 
 from engine.watch import style
-from engine.watch.describe import turn_decision
+from engine.watch.describe import context_shifts_text, slot_keeps_text, turn_decision
 from engine.watch.server_slots import OUTCOME_TEXT, ServerSlots, TurnView
 from engine.watch.watcher import Watcher
 from explorer.view import WatcherView
@@ -79,7 +79,9 @@ class ServerView(WatcherView):
         for view in sorted(server.slots.values(), key=lambda v: v.slot):
             color = style.seq_color(view.slot, self.dark)
             doing = (f"runs {html.escape(view.current.label or f'task {view.current.task}')}" if view.current
-                     else f"idle, keeps {view.n_kept} tokens")
+                     else slot_keeps_text(view))
+            if view.context_shifts:
+                doing += f" · {context_shifts_text(view.context_shifts)}"
             marks = ", ".join(str(n) for n in sorted(view.checkpoints))
             held = (f"{len(view.checkpoints)} checkpoints ({view.checkpoint_bytes / 2**20:.2f} MiB host memory) "
                     f"at n_tokens {marks}") if view.checkpoints else "no checkpoint"

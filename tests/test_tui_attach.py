@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from rich.cells import cell_len
+from rich.text import Text
 
 from engine import events as ev
 from engine.runners.attach import AttachedLog
@@ -197,7 +198,8 @@ async def test_a_process_that_exits_says_its_status_and_last_lines(tmp_path):
         sys.stderr.write("main: failed to load the next prompt\\nmain: exiting\\n")
         sys.exit(3)
     """))
-    attached = AttachedLog.run([sys.executable, str(script), str(before_step_12(tmp_path))], start=False)
+    attached = AttachedLog.run([sys.executable, str(script), str(before_step_12(tmp_path))], start=False,
+                               passthrough=tmp_path / "passthrough.log")
     app = KvscopeApp(attached_source(attached))
     attached.start()
     try:
@@ -246,7 +248,8 @@ async def test_a_running_process_is_said_to_be_attached_until_kvscope_ends_it(tm
     """))
     log = before_step_12(tmp_path)
     dumps = parsed(log).stats.dumps
-    attached = AttachedLog.run([sys.executable, str(script), str(log)], start=False)
+    attached = AttachedLog.run([sys.executable, str(script), str(log)], start=False,
+                               passthrough=tmp_path / "passthrough.log")
     app = KvscopeApp(attached_source(attached))
     attached.start()
     name = f"{Path(sys.executable).name} (pid {attached.pid})"
@@ -285,7 +288,7 @@ async def test_the_slots_panel_shows_the_real_servers_tasks(size):
     finally:
         attached.close()
     flat = " ".join(shown.split())  # as it reads, whatever the panel's width wrapped
-    assert "slot 0 · idle, keeps 73 tokens" in flat and "slot 1 · idle, keeps 153 tokens" in flat, shown
+    assert "slot 0 · idle, keeps 73 of 512 tokens" in flat and "slot 1 · idle, keeps 153 of 512 tokens" in flat, shown
     assert "▏0 new▏14 kept▏32 forced" in flat and "▏22 new" in flat, shown
     assert "0 reused 40 lost" in flat, shown  # task 32: held in common, processed again
     assert "cache from a pos not in the log, window needs 24: no checkpoint" in flat, shown
@@ -395,7 +398,7 @@ def test_the_notebook_server_view_shows_the_forced_re_processing():
     assert list(reused.y) == [0, 270, 0, 0] and list(lost.y) == [0, 0, 0, 40] and list(new.y) == [270, 80, 150, 30]
     note = reused.customdata[3]
     assert "full re-processing forced" in note and "window needs 24" in note and "-1" not in note, note
-    assert "slot 0</b> · idle, keeps 73 tokens · 2 checkpoints" in view.slots_html.value
+    assert "slot 0</b> · idle, keeps 73 of 512 tokens · 2 checkpoints" in view.slots_html.value
 
 
 # ---- snapshots at the sizes people use (pytest-textual-snapshot; see tests/test_tui_snapshots.py) ------------
@@ -486,3 +489,39 @@ def test_an_unnamed_sharer_inspected(snap_compare, unified_events, size):
         assert UNNAMED in " ".join((await cursor_on(pilot.app, pilot, 2)).split())
 
     assert snap_compare(snapshot_app(unified_events, "unified.log"), terminal_size=size, run_before=run_before)
+
+
+def test_a_slot_that_shifted_its_context_says_so_in_both_explorers():
+    """llama-server's context-shift line (as kvscope's simulation writes it, in llama-server's words): the
+    slot's context and its shifts, in the slots panel's words and the notebook ServerView's."""
+    from engine.watch.describe import context_shifts_text, slot_keeps_text
+    from engine.watch.llama_log import LlamaLogParser
+    from engine.watch.server_slots import ServerSlots
+
+    lines = [
+        "0.00.100.000 I slot   operator(): id  0 | task 0 | new prompt, n_ctx_slot = 512, n_keep = 0, task.n_tokens = 500",
+        "0.00.100.001 I slot   operator(): id  0 | task 0 | cached n_tokens = 0, memory_seq_rm [0, end)",
+        "0.00.200.000 W slot update_slots: id  0 | task 0 | slot context shift, n_keep = 11, n_left = 500, n_discard = 250",
+        "0.00.300.000 W slot update_slots: id  0 | task 0 | slot context shift, n_keep = 11, n_left = 500, n_discard = 250",
+        "0.00.400.000 I slot print_timing: id  0 | task 0 | prompt eval time =      41.30 ms /   500 tokens (    0.15 ms per token)",
+        "0.00.400.001 I slot      release: id  0 | task 0 | stop processing: n_tokens = 269, truncated = 1",
+    ]
+    parser = LlamaLogParser()
+    slots = ServerSlots()
+    for event in parser.feed("\n".join(lines) + "\n") + parser.finish():
+        slots.apply(event)
+    view = slots.slots[0]
+    assert (view.n_ctx_slot, view.context_shifts, view.turns[-1].context_shifts) == (512, 2, 2)
+    assert slot_keeps_text(view) == "idle, keeps 269 of 512 tokens"
+    assert context_shifts_text(view.context_shifts) == "2 context shifts"
+    from tui.slots import _slot_lines
+
+    text = Text()
+    _slot_lines(text, view, True, 20)
+    assert "slot 0 · idle, keeps 269 of 512 tokens · 2 context shifts" in text.plain
+    pytest.importorskip("ipywidgets", reason="the notebook explorer needs the jupyter extra")
+    from explorer.server import ServerView
+
+    shown = ServerView.__new__(ServerView)
+    shown.dark = True
+    assert "idle, keeps 269 of 512 tokens · 2 context shifts" in ServerView._slots_text(shown, slots)

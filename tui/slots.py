@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.text import Text
 
 from engine.watch import style
-from engine.watch.describe import turn_decision
+from engine.watch.describe import context_shifts_text, slot_keeps_text, turn_decision
 from engine.watch.server_slots import ServerSlots, SlotView, TurnView
 from tui.devices import mib
 from tui.text_panel import TextPanel
@@ -56,7 +56,9 @@ def _slot_lines(text: Text, view: SlotView, dark: bool, bar: int) -> None:
     if view.current is not None:
         text.append(f" · {view.current.label or f'task {view.current.task}'}", style=color)
     else:
-        text.append(f" · idle, keeps {view.n_kept} tokens", style="dim")
+        text.append(f" · {slot_keeps_text(view)}", style="dim")
+    if view.context_shifts:
+        text.append(f" · {context_shifts_text(view.context_shifts)}", style=style.OUTCOME_COLORS["forced"])
     if turn is not None and turn.outcome:
         text.append("\n ")
         _bar(text, turn, bar)

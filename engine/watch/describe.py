@@ -409,3 +409,15 @@ def turn_decision(turn) -> str:
         window = f"window needs {turn.pos_min_thold}" if turn.pos_min_thold >= 0 else "window's need not in the log"
         return f"{cache}, {window}: no checkpoint"
     return ""
+
+
+def slot_keeps_text(view) -> str:
+    """An idle slot (engine.watch.server_slots.SlotView) in both explorers' words: "idle, keeps 43 of 512
+    tokens" (its context once a task said it)."""
+    of = f" of {view.n_ctx_slot}" if view.n_ctx_slot >= 0 else ""
+    return f"idle, keeps {view.n_kept}{of} tokens"
+
+
+def context_shifts_text(n: int) -> str:
+    """"2 context shifts": how often llama-server made room in a slot (--context-shift); "" for none."""
+    return f"{n} context shift{'s' if n != 1 else ''}" if n else ""

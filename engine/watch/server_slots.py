@@ -54,14 +54,6 @@ class TurnView:
         """Tokens the slot held in common with the prompt that were processed again."""
         return max(0, self.n_common - self.n_past)
 
-    def decision(self) -> str:
-        """Why the cache served what it did, in a few words (the TUI's slot panel)."""
-        if self.outcome == "restored":
-            return f"checkpoint at {self.restored_n_tokens} restored"
-        if self.outcome == "forced":
-            return f"cache from pos {self.pos_min}, window needs {self.pos_min_thold}: no checkpoint"
-        return ""
-
 
 @dataclass
 class SlotView:
