@@ -36,7 +36,7 @@ from engine import events as ev
 from engine.runners.launch import source_from_flags
 from engine.watch import lifetime
 from engine.watch.describe import cache_title, held_seqs, status_parts, tokens_per_second
-from engine.watch.sources import Source, attached_source, remote_source, replay_source, session_source
+from engine.watch.sources import Source, remote_source, replay_source, session_source
 from explorer.controls import SessionControls
 from explorer.event_log import EventLog
 from explorer.grid import CellGrid
@@ -137,24 +137,13 @@ class Explorer(Shown):
         or a string split as a shell would; LLAMA_KV_CACHE_DEBUG=3 and -v are added, its raw output goes to
         `passthrough`, by default a temporary file). The process ends when the explorer is closed (or the
         kernel stops). options: as for Explorer(...)."""
-        from engine.errors import KvscopeError
-        from engine.runners.attach import AttachedLog
+        from engine.runners.launch import attached_log_source
 
-        if (log is None) == (command is None):
-            raise KvscopeError("Explorer.attach: give a log file or a command to run, one of the two")
-        if log is not None and passthrough is not None:
-            raise KvscopeError("Explorer.attach: passthrough goes with a command run here, not a log file")
-        if command is not None:
-            argv = shlex.split(command) if isinstance(command, str) else [str(word) for word in command]
-            attached = AttachedLog.run(argv, passthrough=passthrough, start=False)
-        else:
-            attached = AttachedLog.read(log, follow=follow, start=False)
+        source = attached_log_source(log, command, follow=follow, passthrough=passthrough)
         try:
-            source = attached_source(attached)  # subscribed before it starts: every event from the first line
-            attached.start()
             return cls(source, **options)
         except BaseException:
-            attached.close()
+            source.close()
             raise
 
     def _follow(self, every_s: float):

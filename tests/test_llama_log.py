@@ -158,6 +158,12 @@ def test_the_server_log_gives_the_server_simulations_events():
     memory = [e for e in events if isinstance(e, ev.DeviceMemoryState)][-1]
     cpu = next(d for d in memory.devices if d.device == "CPU")
     assert (cpu.weights, cpu.kv) == (round(3.89 * 2**20), round(0.25 * 2**20) + round(0.62 * 2**20))
+    # the server's host memory: the checkpoints its slots hold (2 + 2 of 0.020 MiB at the end) and its prompt
+    # cache (its last "cache state: 2 prompts, 0.288 MiB")
+    assert (cpu.checkpoints, cpu.prompt_cache) == (4 * round(0.020 * 2**20), round(0.288 * 2**20))
+    during = [next(d for d in e.devices if d.device == "CPU").checkpoints for e in events
+              if isinstance(e, ev.DeviceMemoryState)]
+    assert max(during) == 4 * round(0.020 * 2**20) + 2 * round(0.020 * 2**20)  # slot 0's four, slot 1's two
 
 
 def test_a_log_fed_byte_by_byte_gives_the_same_events():

@@ -70,3 +70,31 @@ def source_from_flags(flags: str | Sequence[str] = (), *, threaded: bool = True,
     args = parse_tui_flags(flags)
     words = shlex.split(flags) if isinstance(flags, str) else list(flags)
     return open_source(args, demo=not words, threaded=threaded, start=start)
+
+
+def attached_log_source(log=None, command: str | Sequence[str] | None = None, *, follow: bool = False,
+                        passthrough=None) -> Source:
+    """A real llama.cpp's log as an explorer's source (engine/runners/attach.py), already reading: a saved log
+    (`log`, with `follow` to keep reading as it grows) or a command started here (`command`, a list or a string
+    split as a shell would; LLAMA_KV_CACHE_DEBUG=3 and -v added, its raw output to `passthrough`, by default a
+    temporary file). Its watcher subscribes before the reading starts, so it gets every event from the first
+    line. Closing the source ends the process."""
+    from engine.runners.attach import AttachedLog
+    from engine.watch.sources import attached_source
+
+    if (log is None) == (command is None):
+        raise KvscopeError("attach: give a log file or a command to run, one of the two")
+    if log is not None and passthrough is not None:
+        raise KvscopeError("attach: passthrough goes with a command run here, not a log file")
+    if command is not None:
+        argv = shlex.split(command) if isinstance(command, str) else [str(word) for word in command]
+        attached = AttachedLog.run(argv, passthrough=passthrough, start=False)
+    else:
+        attached = AttachedLog.read(log, follow=follow, start=False)
+    try:
+        source = attached_source(attached)
+        attached.start()
+        return source
+    except BaseException:
+        attached.close()
+        raise

@@ -29,6 +29,7 @@ DEVICE_FREE = re.compile(r"(?:common_param: +- (\S+) +: .*\((\d+) MiB, (\d+) MiB
                          r"|using device (\S+) \(.*\) .*- (\d+) MiB free)")
 PART = {"model": "weights", "KV": "kv", "compute": "compute", "output": "compute"}
 PAD = 256  # llama.cpp pads the cache to 256 cells (llama_kv_cache::get_padding)
+HOST = "CPU"  # ggml's name of host memory in the buffer lines
 
 
 @dataclass
@@ -52,6 +53,7 @@ class ContextLines:
         self.memory: dict[tuple[str, str], int] = {}  # (device, part) -> bytes
         self.capacity: dict[str, int] = {}
         self.contexts = 0
+        self.host_bytes = (0, 0)  # a server's checkpoints and prompt cache (the parser keeps it up to date)
 
     def line(self, text: str) -> list[ev.Event] | None:
         """Events for one line; None when the line is not one of these."""
@@ -149,14 +151,17 @@ class ContextLines:
         nbytes = round(float(m.group(4)) * MIB)
         # a context's output and compute buffers add up; the kv caches of an iSWA pair too
         self.memory[key] = self.memory.get(key, 0) + nbytes if part in ("kv", "compute") else nbytes
-        return [self.memory_state()]
+        return [self.memory_state(*self.host_bytes)]
 
-    def memory_state(self) -> ev.DeviceMemoryState:
-        devices = sorted({d for d, _ in self.memory})
+    def memory_state(self, checkpoints: int = 0, prompt_cache: int = 0) -> ev.DeviceMemoryState:
+        """Every device's bytes; a server's checkpoints and prompt cache are host memory (the CPU's row)."""
+        devices = sorted({d for d, _ in self.memory} | ({HOST} if checkpoints or prompt_cache else set()))
         return ev.DeviceMemoryState(devices=tuple(
             ev.DeviceBytes(device=d, virtual=False, capacity=self.capacity.get(d), reserved=None,
                            weights=self.memory.get((d, "weights"), 0), kv=self.memory.get((d, "kv"), 0),
-                           compute=self.memory.get((d, "compute"), 0)) for d in devices))
+                           compute=self.memory.get((d, "compute"), 0),
+                           checkpoints=checkpoints if d == HOST else 0,
+                           prompt_cache=prompt_cache if d == HOST else 0) for d in devices))
 
 
 def _int(text: str | None, default: int) -> int:

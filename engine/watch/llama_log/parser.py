@@ -86,6 +86,7 @@ class LlamaLogParser:
         self._waiting: dict[tuple[str, int], tuple[RawDump, int, int]] = {}  # coalesced: the last dump per stream
         self._out: list[ev.Event] = []
         self._skipped: list[str] = []
+        self._host_bytes = (0, 0)  # the checkpoints and prompt cache last published
 
     # ---- input ------------------------------------------------------------------------------------
     def feed(self, data: str | bytes) -> list[ev.Event]:
@@ -215,6 +216,10 @@ class LlamaLogParser:
             events, removals = server
             self._out.extend(events)
             self._ops.extend(removals)
+            host = (self._server.checkpoint_bytes, self._server.prompt_cache_bytes)
+            if host != self._host_bytes:  # the server's host memory: checkpoints and prompt cache
+                self._host_bytes = self._context.host_bytes = host
+                self._out.append(self._context.memory_state(*host))
             if not self.program:
                 self.program = "llama-server"
             return True

@@ -37,6 +37,7 @@ SEND_ERROR = re.compile(r"task id = -?\d+, error: (.*)$")
 STOPPED = (("stopped by EOS", "eos"), ("stopped by limit", "limit"), ("stopped by time limit", "limit"),
            ("stopped by indentation limit", "limit"), ("stopped due to running out of context", "context"))
 FORCED = "forcing full prompt re-processing"
+PROMPT_CACHE_STATE = re.compile(r" - cache state: (\d+) prompts?, ([\d.]+) MiB")
 QUIET_SERVER_FUNCS = ("update_slots", "decode", "process_sing", "stop")  # srv debug lines of every batch
 
 
@@ -106,6 +107,11 @@ class ServerLines:
         self.slots: dict[int, SlotFacts] = {}
         self.tasks: dict[int, TaskFacts] = {}  # running, by slot
         self.seen = False
+        self.prompt_cache_bytes = 0  # llama-server's cache of saved prompts (--cache-ram), host memory
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return sum(b for facts in self.slots.values() for _, _, b in facts.checkpoints.values())
 
     def slot(self, slot: int) -> SlotFacts:
         facts = self.slots.get(slot)
@@ -129,6 +135,9 @@ class ServerLines:
             if m is None:
                 return None
             self.seen = True
+            state = PROMPT_CACHE_STATE.search(m.group(2))
+            if state:
+                self.prompt_cache_bytes = round(float(state.group(2)) * MIB)
             if level == "debug" and m.group(1).strip() in QUIET_SERVER_FUNCS:
                 return [], []
             return [ev.ServerLogLine(level=level or "info", text=text)], []
