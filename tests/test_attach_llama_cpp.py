@@ -91,12 +91,22 @@ def drain(watcher: Watcher, attached) -> None:
         time.sleep(0.05)
 
 
-def test_llama_server_on_the_demo_model(tmp_path):
+@pytest.fixture(params=["demo", "tiny-llama"])
+def server_model(request) -> tuple[str, Path, int]:
+    """(name, GGUF, streams the log shows): the demo model (an iSWA gemma3: two caches, two slots each) and a
+    tiny llama written by the tests (one cache)."""
+    if request.param == "demo":
+        return "demo", DEMO_MODEL_PATH, 4
+    return "tiny-llama", request.getfixturevalue("tiny_llama_gguf"), 2
+
+
+def test_llama_server(tmp_path, server_model):
     from engine.runners.attach import AttachedLog
 
+    name, model, n_streams = server_model
     port = free_port()
     passthrough = tmp_path / "llama-server.log"
-    attached = AttachedLog.run([str(SERVER), "-m", str(DEMO_MODEL_PATH), "-c", "1024", "-np", "2", "-t", "2",
+    attached = AttachedLog.run([str(SERVER), "-m", str(model), "-c", "1024", "-np", "2", "-t", "2",
                                 "--port", str(port), "--no-webui", "--seed", "1"], passthrough=passthrough, start=False)
     watcher = Watcher.of(attached)
     attached.start()
@@ -106,9 +116,12 @@ def test_llama_server_on_the_demo_model(tmp_path):
         first = post(port, "/completion", {"prompt": story, "n_predict": 12, "cache_prompt": True, "id_slot": 0})
         again = post(port, "/completion", {"prompt": story + first["content"] + " then", "n_predict": 8,
                                            "cache_prompt": True, "id_slot": 0})
-        chat = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "What is a slot?"}],
-                                                   "max_tokens": 8, "id_slot": 1})
-        assert chat["choices"][0]["message"]["content"]
+        if name == "demo":  # the tiny llama has no chat template
+            chat = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "What is a slot?"}],
+                                                       "max_tokens": 8, "id_slot": 1})
+            assert chat["choices"][0]["message"]["content"]
+        else:
+            post(port, "/completion", {"prompt": "What is a slot?", "n_predict": 8, "id_slot": 1})
         watcher.poll()
         assert watcher.status is not None and watcher.status.message == f"attached to llama-server (pid {attached.pid})"
     finally:
@@ -116,14 +129,14 @@ def test_llama_server_on_the_demo_model(tmp_path):
     drain(watcher, attached)
     log_text = passthrough.read_text(errors="replace")
     assert "LLAMA_KV_CACHE_DEBUG=3" in attached.added and "-v" in attached.added
-    assert assert_cells_are_the_logs(watcher, log_text) == 4  # two slots' streams, in both caches of the iSWA pair
+    assert assert_cells_are_the_logs(watcher, log_text) == n_streams  # two slots' streams, in each cache
     # its slots, from its slot lines: the second prompt on slot 0 reused what the first left
     slots = watcher.server.slots
     turns = [t for s in (0, 1) for t in slots[s].turns]
     assert [t.slot for t in turns] == [0, 0, 1]
     assert turns[0].n_past == 0 and turns[0].outcome == "new" and turns[1].n_past > 0
     # the window of the demo's sliding layers may make llama-server restore a checkpoint rather than keep
-    # the prefix: whichever it did, its own line says so
+    # the prefix (the llama keeps it): whichever it did, its own line says so
     restored = f"task {turns[1].task} | restored context checkpoint" in log_text
     assert turns[1].outcome == ("restored" if restored else "kept")
     assert turns[1].n_past + turns[1].n_processed == turns[1].n_prompt
