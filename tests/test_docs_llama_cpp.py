@@ -128,6 +128,18 @@ def test_supported_environment_variables_are_read():
     assert not names, f"listed as supported but never read next to os.environ: {names}"
 
 
+def test_the_window_override_the_pages_give_names_the_demo_models_key():
+    """--swa-window is kvscope's name; the pages give llama.cpp's way instead, a metadata override of the key
+    llama.cpp reads the window from (`<arch>.attention.sliding_window`, src/llama-arch.cpp)."""
+    from engine.formats.gguf_file import read_gguf_metadata
+
+    metadata = read_gguf_metadata(ROOT / "engine" / "models" / "demo" / "kvscope-demo-gemma3.gguf")
+    key = f"{metadata['general.architecture']}.attention.sliding_window"
+    assert metadata[key] == 64
+    for page in (DOC, README, ROOT / "notebooks" / "06-debugging-stories.ipynb"):
+        assert f"--override-kv {key}=int:" in page.read_text(encoding="utf-8"), page.name
+
+
 def test_unsupported_environment_variables_are_not_read():
     text = section("Not supported")
     names = [n for n in ENV.findall(text) if not n.endswith("_")]
