@@ -114,8 +114,8 @@ def test_llama_server(tmp_path, server_model):
         wait_ready(port, attached)
         story = "Once upon a time there was a cache that kept every key and every value it was given, and"
         first = post(port, "/completion", {"prompt": story, "n_predict": 12, "cache_prompt": True, "id_slot": 0})
-        again = post(port, "/completion", {"prompt": story + first["content"] + " then", "n_predict": 8,
-                                           "cache_prompt": True, "id_slot": 0})
+        post(port, "/completion", {"prompt": story + first["content"] + " then", "n_predict": 8,
+                                   "cache_prompt": True, "id_slot": 0})
         if name == "demo":  # the tiny llama has no chat template
             chat = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "What is a slot?"}],
                                                        "max_tokens": 8, "id_slot": 1})

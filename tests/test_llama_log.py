@@ -325,7 +325,6 @@ def test_kvscope_own_dump_parsed_gives_the_runs_cells(monkeypatch):
     old_level = logger.level
     logger.setLevel(logging.DEBUG)
     logger.addHandler(witness)
-    checks: list[tuple[int, dict]] = []
     try:
         ctx = engine.Context(in_memory_model(), n_ctx=512, n_seq_max=12, kv_unified=True, n_ubatch=16,
                              kv_cache_debug=3, bus=bus, type_k="f32", type_v="f32")

@@ -52,7 +52,6 @@ class ContextLines:
         self._lines: list[str] = []
         self.memory: dict[tuple[str, str], int] = {}  # (device, part) -> bytes
         self.capacity: dict[str, int] = {}
-        self.contexts = 0
         self.host_bytes = (0, 0)  # a server's checkpoints and prompt cache (the parser keeps it up to date)
 
     def line(self, text: str) -> list[ev.Event] | None:
@@ -87,7 +86,6 @@ class ContextLines:
     def _context_line(self, text: str) -> list[ev.Event] | None:
         if text.startswith(CONTEXT_START):
             self.params, self.caches, self._building, self._lines = {}, {}, None, [text]
-            self.contexts += 1
             for key in [k for k in self.memory if k[1] != "weights"]:
                 del self.memory[key]
             return []

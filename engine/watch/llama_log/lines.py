@@ -20,12 +20,10 @@ LEVELS = {"D": "debug", "I": "info", "W": "warn", "E": "error"}
 
 @dataclass(frozen=True)
 class LogLine:
-    """One line of a message: its text without prefix, the level letter's name ("" when the log has none)
-    and whether it began an entry (a prefixed line) or continues the message before it."""
+    """One line of a message: its text without prefix, and the level letter's name ("" when the log has none)."""
 
     text: str
     level: str = ""
-    prefixed: bool = False
 
 
 class LineSplitter:
@@ -56,7 +54,7 @@ class LineSplitter:
         """The partial last line, as it is (the log ended there)."""
         text = self._tail + (self._tail_bytes.decode("utf-8", errors="replace") if self._tail_bytes else "")
         self._tail, self._tail_bytes = "", b""
-        return self._clean([text]) if text else []
+        return self.clean(text) if text else []
 
     @property
     def pending(self) -> int:
@@ -80,9 +78,6 @@ class LineSplitter:
         self._tail_bytes = data[len(data) - keep:] if keep else b""
         return (data[:len(data) - keep] if keep else data).decode("utf-8", errors="replace")
 
-    def _clean(self, raw_lines: list[str]) -> list[LogLine]:
-        return [line for raw in raw_lines for line in self.clean(raw)]
-
     def clean(self, raw: str) -> list[LogLine]:
         """One raw line, without its line end, colour codes and prefix; several where a message without a
         final newline ran into the next entry's prefix."""
@@ -99,16 +94,13 @@ class LineSplitter:
     def _line(self, raw: str) -> LogLine:
         if not raw or not (raw[0].isdigit() or raw[1:2] == " "):
             return LogLine(raw)
-        prefixed = False
         match = TIME_PREFIX.match(raw)
         if match:
-            self.prefixed_log = prefixed = True
+            self.prefixed_log = True
             raw = raw[match.end():]
         if raw in LEVELS:  # a level letter before an empty message, its space trimmed by a copy
-            return LogLine("", LEVELS[raw], True)
+            return LogLine("", LEVELS[raw])
         match = LEVEL_PREFIX.match(raw)
         if match:
-            return LogLine(raw[2:], LEVELS[match.group(1)], True)
-        if prefixed:
-            return LogLine(raw, "", True)
+            return LogLine(raw[2:], LEVELS[match.group(1)])
         return LogLine(raw)

@@ -106,7 +106,6 @@ class ServerLines:
     def __init__(self) -> None:
         self.slots: dict[int, SlotFacts] = {}
         self.tasks: dict[int, TaskFacts] = {}  # running, by slot
-        self.seen = False
         self.prompt_cache_bytes = 0  # llama-server's cache of saved prompts (--cache-ram), host memory
 
     @property
@@ -124,7 +123,6 @@ class ServerLines:
             m = SLOT_LINE.match(text)
             if m is None:
                 return None
-            self.seen = True
             slot, task, body = int(m.group(2)), int(m.group(3)), m.group(4)
             events: list[ev.Event] = [ev.ServerLogLine(level=level or "info", text=text, slot=slot, task=task)]
             removals: list[Removal] = []
@@ -134,7 +132,6 @@ class ServerLines:
             m = SRV_LINE.match(text)
             if m is None:
                 return None
-            self.seen = True
             state = PROMPT_CACHE_STATE.search(m.group(2))
             if state:
                 self.prompt_cache_bytes = round(float(state.group(2)) * MIB)
