@@ -524,6 +524,147 @@ class ProcessExited(Event):
     ended_by_kvscope: bool = False  # kvscope ended it (quit, Ctrl+C, SIGTERM), rather than it ending itself
 
 
+# ---- a prefix cache of hashed blocks, as vLLM and SGLang publish it (engine/watch/kv_events, block_mirror.py) ----
+MEDIUM_GPU = "GPU"  # what vLLM's BlockStored/BlockRemoved mean when they leave `medium` out (or send None)
+
+
+@dataclass(frozen=True, eq=False)
+class KvWorkerSeen(Event):
+    """A worker whose prefix cache a KV event stream describes: one vLLM or SGLang data-parallel rank behind one
+    publisher endpoint. `worker` is kvscope's number for it, in the order workers were first heard from; every
+    block event names its worker by that number."""
+
+    worker: int
+    endpoint: str  # the publisher's PUB endpoint, "tcp://10.0.0.5:5557"
+    rank: int = -1  # the batches' data_parallel_rank; -1 where the publisher does not say
+    label: str = ""  # "worker 1 (rank 1 at 10.0.0.5:5558)"
+    capacity_blocks: int = 0  # blocks the worker can hold (per medium and group), where known; 0: not known
+    dialect: str = ""  # the wire format its batches came in (engine/watch/kv_events/formats.py)
+
+
+@dataclass(frozen=True, eq=False)
+class BlocksStored(Event):
+    """A worker's prefix cache now holds these full blocks (vLLM's BlockStored): block k holds token_ids[k *
+    block_size:(k + 1) * block_size]; each block is the child of the one before it, the first the child of
+    `parent_hash` (None: the chain starts here). Hashes are the publisher's, as bytes: an integer hash is its 8
+    big-endian bytes, unsigned."""
+
+    worker: int
+    block_hashes: tuple[bytes, ...]
+    parent_hash: bytes | None
+    token_ids: np.ndarray  # int64, len(block_hashes) * block_size (fewer where the publisher sent fewer)
+    block_size: int
+    medium: str = MEDIUM_GPU  # "GPU", "CPU", "DISK", ...: the tier that holds them
+    lora: str = ""  # the LoRA adapter the blocks were computed with (lora_name, or "id N" from lora_id)
+    group: int = 0  # vLLM's KV cache group (group_idx): full attention and each sliding window apart
+    group_kind: str = ""  # kv_cache_spec_kind: "full_attention", "sliding_window", ... ("" unknown)
+    sliding_window: int = 0  # kv_cache_spec_sliding_window, tokens (0: none or unknown)
+    extra_keys: tuple[str, ...] = ()  # per block, the publisher's extra hash keys as text ("" none)
+    ts: float = 0.0  # the publisher's wall clock (seconds since the epoch) of the batch that said it
+
+
+@dataclass(frozen=True, eq=False)
+class BlocksRemoved(Event):
+    """A worker's prefix cache no longer holds these blocks in this medium and group (evicted, vLLM's
+    BlockRemoved)."""
+
+    worker: int
+    block_hashes: tuple[bytes, ...]
+    medium: str = MEDIUM_GPU
+    group: int = 0
+    ts: float = 0.0
+    cause: str = ""  # "" (the publisher said so), or kvscope's reason: "publisher restarted"
+
+
+@dataclass(frozen=True, eq=False)
+class BlocksCleared(Event):
+    """A worker's prefix cache was emptied (vLLM's AllBlocksCleared, a prefix-cache reset), or kvscope empties
+    its picture of it (`cause`: a publisher that restarted holds nothing it held before)."""
+
+    worker: int
+    ts: float = 0.0
+    cause: str = ""
+
+
+@dataclass(frozen=True, eq=False)
+class BlockSnapshot(Event):
+    """Every block one worker holds in one medium and group, with when each was stored, and the blocks it
+    evicted last: the state a late subscriber or a recording's keyframe starts from (block_mirror.py). Parallel
+    arrays over the blocks; tokens of block k are token_ids[token_starts[k]:token_starts[k + 1]]."""
+
+    worker: int
+    medium: str
+    group: int
+    block_hashes: tuple[bytes, ...]
+    parent_hashes: tuple[bytes | None, ...]
+    token_ids: np.ndarray
+    token_starts: np.ndarray  # len(block_hashes) + 1
+    block_sizes: np.ndarray
+    stored_ts: np.ndarray  # float64, the publisher's clock
+    stored_seq_nos: np.ndarray  # int64, the BlocksStored event of each
+    lora: tuple[str, ...] = ()
+    group_kind: str = ""
+    sliding_window: int = 0
+    roots: tuple[bytes, ...] = ()  # the first block of each one's chain, as the mirror knew it (block_mirror.py)
+    depths: np.ndarray | None = None  # blocks before each one in its chain (-1: not known)
+    # Set on a snapshot of the eviction log rather than of held blocks: when each of these blocks was evicted
+    # (the publisher's clock) and why ("" the publisher said so), oldest first.
+    evicted_ts: np.ndarray | None = None
+    evicted_causes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
+class KvBatchesLost(Event):
+    """Batches a publisher sent that kvscope did not get: the sequence numbers first..last of `endpoint`.
+    `recovered` of them came back through the replay endpoint (and were applied in order before the batch
+    that showed the gap); the rest are lost, and the picture of that publisher's workers may miss blocks
+    until they are stored again or cleared."""
+
+    endpoint: str
+    first: int
+    last: int
+    recovered: int = 0
+    reason: str = ""  # why not all came back: "no replay endpoint", "the publisher's buffer no longer holds them"
+
+    @property
+    def count(self) -> int:
+        return self.last - self.first + 1
+
+    @property
+    def lost(self) -> int:
+        return self.count - self.recovered
+
+
+@dataclass(frozen=True, eq=False)
+class KvPublisherRestarted(Event):
+    """A publisher's sequence numbers went back (from `last_seq` to `seq`): it restarted, and everything it said
+    before is void. Its workers' blocks are cleared; `epoch` counts the restarts seen."""
+
+    endpoint: str
+    last_seq: int
+    seq: int
+    epoch: int
+
+
+@dataclass(frozen=True, eq=False)
+class KvEventStats(Event):
+    """How the reading of one publisher goes (engine/watch/kv_events/subscriber.py), about once a second."""
+
+    endpoint: str
+    batches: int
+    events: int
+    blocks_stored: int
+    blocks_removed: int
+    lost: int = 0  # batches lost for good
+    replayed: int = 0  # batches recovered through the replay endpoint
+    malformed: int = 0  # messages that were not a batch (skipped; never fatal)
+    unknown_tags: int = 0  # events of a kind kvscope does not know (skipped)
+    unknown_fields: int = 0  # fields kvscope does not know (ignored)
+    other_topics: int = 0  # messages of a topic not asked for
+    epochs: int = 1  # 1 + the restarts seen
+    dialect: str = ""
+
+
 @dataclass(frozen=True, eq=False)
 class EventsDropped(Event):
     """Delivered to one subscriber only: it missed `count` events because its queue was full."""

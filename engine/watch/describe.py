@@ -11,13 +11,15 @@ from engine import events as ev
 from engine.watch.frames import EMPTY, SHARED
 
 SEEN_CAUSES = ("seen ", "restated")  # CellsSeen causes that are observations (engine/watch/llama_log/parser.py)
-EVENT_GROUPS = ("all", "cells", "decodes", "tokens", "commands", "server", "quirks")
+EVENT_GROUPS = ("all", "cells", "decodes", "tokens", "commands", "server", "blocks", "quirks")
 SERVER_KINDS = ("ServerLogLine", "ServerTaskStarted", "ServerPromptReused", "CheckpointChanged", "ServerTaskFinished",
                 "ServerSlotChanged")
 GROUP_KINDS = {"cells": ("CellsChanged",), "decodes": ("DecodeStarted", "DecodeFinished", "SlotSearchFailed", "WorkloadStep"),
                "tokens": ("TokenSampled", "SequenceAssigned"),
                "commands": ("CommandDone", "SessionStatus", "ProcessExited"),
-               "server": SERVER_KINDS}
+               "server": SERVER_KINDS,
+               "blocks": ("KvWorkerSeen", "BlocksStored", "BlocksRemoved", "BlocksCleared", "BlockSnapshot",
+                          "KvBatchesLost", "KvPublisherRestarted")}
 
 
 def describe_event(event: ev.Event) -> str:
@@ -96,7 +98,51 @@ def _what(event: ev.Event) -> str:
         return f"{kind} {process_exit_text(event)}"
     if isinstance(event, ev.LogStats):
         return f"{kind} {event.source}: {_count(event.lines, 'line')}, " + ", ".join(log_figures(event))
+    if kind in GROUP_KINDS["blocks"] or isinstance(event, ev.KvEventStats):
+        return _block_what(event, kind)
     return _server_what(event, kind)
+
+
+def _tier_text(medium: str, group: int) -> str:
+    """Where blocks are, said only when it is not the usual GPU memory of group 0."""
+    parts = [] if medium == ev.MEDIUM_GPU else [medium]
+    if group:
+        parts.append(f"group {group}")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _block_what(event: ev.Event, kind: str) -> str:
+    from engine.watch.kv_events.formats import hash_text
+
+    if isinstance(event, ev.BlocksStored):
+        n = len(event.block_hashes)
+        first = hash_text(event.block_hashes[0]) if n else "none"
+        return (f"{kind} worker {event.worker}: {_count(n, 'block')} from {first}{_tier_text(event.medium, event.group)}"
+                f", child of {hash_text(event.parent_hash)}, {_count(len(event.token_ids), 'token')}")
+    if isinstance(event, ev.BlocksRemoved):
+        n = len(event.block_hashes)
+        first = hash_text(event.block_hashes[0]) if n else "none"
+        why = f"  by {event.cause}" if event.cause else ""
+        return f"{kind} worker {event.worker}: {_count(n, 'block')} from {first}{_tier_text(event.medium, event.group)}{why}"
+    if isinstance(event, ev.BlocksCleared):
+        return f"{kind} worker {event.worker}" + (f"  by {event.cause}" if event.cause else "")
+    if isinstance(event, ev.KvWorkerSeen):
+        rank = f" rank {event.rank}" if event.rank >= 0 else ""
+        return f"{kind} worker {event.worker}{rank} at {event.endpoint}" + (f" ({event.dialect})" if event.dialect else "")
+    if isinstance(event, ev.BlockSnapshot):
+        what = "evicted" if event.evicted_ts is not None else "held"
+        return (f"{kind} worker {event.worker}: {_count(len(event.block_hashes), 'block')} {what}"
+                f"{_tier_text(event.medium, event.group)}")
+    if isinstance(event, ev.KvBatchesLost):
+        how = f"{event.recovered} replayed, {event.lost} lost" + (f" ({event.reason})" if event.reason else "")
+        return f"{kind} {event.endpoint}: batches {event.first}-{event.last} missed; {how}"
+    if isinstance(event, ev.KvPublisherRestarted):
+        return (f"{kind} {event.endpoint}: sequence numbers went back from {event.last_seq} to {event.seq}; its "
+                f"blocks are cleared (epoch {event.epoch})")
+    if isinstance(event, ev.KvEventStats):
+        return (f"{kind} {event.endpoint}: {event.batches} batches, {event.blocks_stored} blocks stored, "
+                f"{event.blocks_removed} removed, {event.lost} lost, {event.malformed} malformed")
+    return kind
 
 
 def _server_what(event: ev.Event, kind: str) -> str:
@@ -169,6 +215,8 @@ def event_group(event: ev.Event) -> str:
         return "commands"
     if type(event).__name__ in SERVER_KINDS:
         return "server"
+    if type(event).__name__ in GROUP_KINDS["blocks"]:
+        return "blocks"
     return "other"
 
 
@@ -185,7 +233,7 @@ class EventFilter:
             raise ValueError(f"event group {self.group!r}: the groups are {', '.join(EVENT_GROUPS)}")
 
     def keeps(self, event: ev.Event) -> bool:
-        if isinstance(event, ev.LogStats):
+        if isinstance(event, (ev.LogStats, ev.KvEventStats)):
             return False  # the status line's figures: a line each second would push the cache's events out
         if self.group == "quirks":
             if not getattr(event, "quirk", ""):

@@ -18,6 +18,7 @@ import numpy as np
 
 from engine import events as ev
 from engine.kv.cells import MAX_SEQ
+from engine.watch.block_mirror import BLOCK_EVENTS, BlockMirror
 from engine.watch.device_mirror import DeviceMirror
 
 SNAPSHOT_SKIPS = ("time",)  # fields of kept events that snapshot() leaves out (see there)
@@ -79,6 +80,7 @@ class CacheMirror:
         self.stale = False
         self.stats = MirrorStats()
         self.devices = DeviceMirror()  # device memory bars and the layer/device map
+        self.blocks = BlockMirror()  # vLLM / SGLang workers' hashed blocks, where the events come from those
         self._lock = threading.Lock()
         self._subscription: ev.Subscription | None = None
 
@@ -129,6 +131,8 @@ class CacheMirror:
             self.sequences[event.seq_id] = event
         elif isinstance(event, (ev.ModelPlaced, ev.DeviceMemoryChanged, ev.DeviceMemoryState)):
             self.devices.apply(event)
+        elif isinstance(event, BLOCK_EVENTS):
+            self.blocks.apply(event)
         elif isinstance(event, ev.EventsDropped):
             self.stats.dropped += event.count
             self.stale = True
@@ -204,6 +208,7 @@ class CacheMirror:
             events += list(self.sequences.values())
             events += [self._snapshot_event(cache) for cache in self.caches.values()]
             events += [e for cache in self.caches.values() for e in self._uncertain_event(cache)]
+            events += self.blocks.state_events()
             if self.stale:
                 events.append(ev.EventsDropped(self.stats.dropped, -1, -1))
             for event in events:
@@ -248,6 +253,7 @@ class CacheMirror:
                 "sequences": {s: record_data(e, skip=SNAPSHOT_SKIPS) for s, e in self.sequences.items()},
                 "stale": self.stale,
                 "devices": record_data(self.devices.snapshot(), skip=SNAPSHOT_SKIPS),
+                "blocks": self.blocks.snapshot(),
             }
 
     def differences(self, other: CacheMirror) -> list[str]:

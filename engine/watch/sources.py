@@ -13,12 +13,13 @@ class Source:
     """A session-like object (Session or RemoteSession) and its watcher, or a replay. `live` is False for
     a replay, whose controls are the replay's (step back and forth, seek)."""
 
-    kind: str  # "session", "remote", "replay" or "attached"
+    kind: str  # "session", "remote", "replay", "attached" (a llama.cpp log) or "kv-events" (vLLM/SGLang publishers)
     own_watcher: Watcher | None = None
     session: Any = None  # Session or RemoteSession: start, pause, step, add_prompt, seq_rm, ...
     replay: Any = None  # engine.watch.replay.Replay of a recording
     label: str = ""
-    attached: Any = None  # engine.runners.attach.AttachedLog: a real llama.cpp's log, read as it comes
+    attached: Any = None  # engine.runners.attach.AttachedLog: a real llama.cpp's log, read as it comes; or
+    # engine.watch.kv_events.subscriber.KvEventSubscriber: vLLM/SGLang workers' KV events
 
     @property
     def live(self) -> bool:
@@ -51,6 +52,11 @@ def remote_source(remote, label: str = "") -> Source:
 def attached_source(attached, label: str = "") -> Source:
     """A llama.cpp process's log (or a saved log) as the explorer's source: watched, never driven."""
     return Source("attached", Watcher.of(attached), attached=attached, label=label or attached.label)
+
+
+def kv_events_source(subscriber, label: str = "") -> Source:
+    """vLLM or SGLang workers' prefix caches, from their KV event publishers: watched, never driven."""
+    return Source("kv-events", Watcher.of(subscriber), attached=subscriber, label=label or subscriber.label)
 
 
 def replay_source(path) -> Source:
