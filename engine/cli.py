@@ -264,29 +264,76 @@ def cmd_attach(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """A Session served over ZeroMQ until SIGINT or SIGTERM (engine/runners/serve.py)."""
+    """A Session served over ZeroMQ until SIGINT or SIGTERM (engine/runners/serve.py); with --kv-events, its cache
+    published as vLLM's KV events too (engine/runners/kv_events_publisher.py)."""
+    from engine.events import EventBus
     from engine.runners.serve import SessionServer, stop_on_signals, wait_until_stopped
     from engine.runners.session import Session
 
     settings, spec = session_settings(args)
+    _check_kv_event_flags(args)
+    bus = EventBus()
     with SessionServer(args.bind, args.port, args.token, no_token=args.no_token, state_dir=args.state_dir,
                        models_dir=args.models_dir) as server:  # binds now: a taken port fails before loading
-        session = Session(args.model, settings=settings, workload=spec, steps_per_second=args.speed, dtype=args.dtype)
+        publisher = _kv_event_publisher(args, bus)  # binds now too
+        try:
+            session = Session(args.model, settings=settings, workload=spec, steps_per_second=args.speed,
+                              dtype=args.dtype, bus=bus)
+        except BaseException:
+            if publisher is not None:
+                publisher.close()
+            raise
         with stop_on_signals() as stop:  # from here on a signal stops cleanly, closing included
             try:
                 server.start(session)
+                if publisher is not None:
+                    publisher.start()
                 begin_session(session, args)
-                _print_serve_banner(server, session)
+                _print_serve_banner(server, session, publisher)
                 reason = wait_until_stopped(server, stop)
             finally:
                 server.close()  # first: clients hear that the server stops, not that the session closed
                 session.close()
+                if publisher is not None:  # last: what the session did up to its end goes out
+                    publisher.close()
+    published = "" if publisher is None else f", {publisher.stats.batches} KV event batches published"
     print(f"kvscope serve: stopped ({reason}) after {server.commands} commands ({server.refused} refused), "
-          f"{server.events_sent} events sent", file=sys.stderr)
+          f"{server.events_sent} events sent{published}", file=sys.stderr)
     return 0
 
 
-def _print_serve_banner(server, session) -> None:
+def _kv_event_options(args: argparse.Namespace) -> dict:
+    # data_parallel_rank 0: what a vLLM of one data-parallel rank sends
+    return dict(replay_endpoint=args.kv_events_replay, block_size=args.block_size, topic=args.kv_events_topic,
+                dialect=args.kv_events_dialect, rank=0)
+
+
+def _check_kv_event_flags(args: argparse.Namespace) -> None:
+    """--kv-events and the flags that need it, refused before any port is taken or model loaded."""
+    if args.kv_events is not None:
+        from engine.runners.kv_events_publisher import check_options
+
+        check_options(args.kv_events, **_kv_event_options(args))
+        return
+    given = [flag for flag, value, default in (("--kv-events-replay", args.kv_events_replay, None),
+                                               ("--block-size", args.block_size, 16),
+                                               ("--kv-events-topic", args.kv_events_topic, ""),
+                                               ("--kv-events-dialect", args.kv_events_dialect, "map"))
+             if value != default]
+    if given:
+        raise KvscopeError(f"{', '.join(given)} only with --kv-events ENDPOINT (where the KV events go)")
+
+
+def _kv_event_publisher(args: argparse.Namespace, bus):
+    """The --kv-events publisher, bound (None without --kv-events)."""
+    if args.kv_events is None:
+        return None
+    from engine.runners.kv_events_publisher import KvEventPublisher
+
+    return KvEventPublisher(bus, args.kv_events, **_kv_event_options(args))
+
+
+def _print_serve_banner(server, session, publisher=None) -> None:
     """Where to connect, on stdout (a script reads it): with the token when commands need one."""
     import socket
 
@@ -296,6 +343,8 @@ def _print_serve_banner(server, session) -> None:
     lines = [f"kvscope serve: {status.model}, {status.workload} workload, {status.state}",
              f"kvscope serve: commands on {server.command_address}, events on {server.event_address}"]
     lines += [f"kvscope serve: {line}" for line in server.access_lines()]
+    if publisher is not None:
+        lines.append(f"kvscope serve: {publisher.banner()}, no token: whoever connects reads the prompts' token ids")
     lines += [f"kvscope serve: connect with RemoteSession(\"tcp://{host}:{server.port}\"{token})",
               "kvscope serve: ready; SIGINT (Ctrl-C) or SIGTERM stops it"]
     print("\n".join(lines), flush=True)

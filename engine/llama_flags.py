@@ -330,6 +330,24 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models-dir", default=None, metavar="DIR",
                    help="the folder load_model takes names in (a GGUF file or a Hugging Face folder inside it); "
                         "without it clients can load only the bundled 'demo' (default: none)")
+    from engine.watch.kv_events.formats import DIALECTS
+
+    p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                   help="also publish the cache as vLLM publishes its prefix cache (KV events: BlockStored, "
+                        "BlockRemoved, AllBlocksCleared of hashed blocks) on a ZeroMQ PUB socket listening on "
+                        "ENDPOINT, e.g. tcp://*:5557 as vLLM's default or tcp://127.0.0.1:5557 (port *: a free one); "
+                        "it carries every prompt's token ids to whoever connects, without any token (default: off)")
+    p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
+                   help="with --kv-events: a ROUTER socket that resends the last 10000 batches from a sequence "
+                        "number on request, as vLLM's replay_endpoint (default: none)")
+    p.add_argument("--block-size", type=int, default=16, metavar="TOKENS",
+                   help="with --kv-events: tokens per block, as vLLM's --block-size")
+    p.add_argument("--kv-events-topic", default="", metavar="TOPIC",
+                   help="with --kv-events: the topic frame of every message (default: empty, as vLLM's)")
+    p.add_argument("--kv-events-dialect", default="map", choices=DIALECTS,
+                   help="with --kv-events: the wire layout: map is vLLM's current one (32-byte hashes; an iSWA "
+                        "model's sliding-window cache as KV cache group 1), array-v3 the previous one, array-v2 and "
+                        "array-v1 older ones with 64-bit integer hashes (array-v1 as SGLang sends)")
 
 
 def _add_tui_flags(p: argparse.ArgumentParser) -> None:
@@ -346,9 +364,12 @@ def _add_tui_flags(p: argparse.ArgumentParser) -> None:
 
 
 ATTACH_HELP = ("watch a real llama.cpp's KV cache from its own debug log: a command run here (llama-server, "
-               "llama-cli, ...) or a saved log (docs/command-line.md)")
+               "llama-cli, ...) or a saved log; or vLLM / SGLang workers' prefix caches from their KV events (--vllm) "
+               "(docs/command-line.md)")
 ATTACH_USAGE = ("kvscope attach [-o FILE] [--passthrough FILE] [--seconds N] -- COMMAND [ARG ...]\n"
-                "       kvscope attach --log FILE [--follow] [-o FILE] [--seconds N]")
+                "       kvscope attach --log FILE [--follow] [-o FILE] [--seconds N]\n"
+                "       kvscope attach --vllm tcp://HOST:5557[,tcp://HOST:5600] [ENDPOINT[,REPLAY] ...] [--topic T] "
+                "[--tokenizer PATH] [--capacity-blocks N] [-o FILE] [--seconds N]")
 
 
 def _add_attach_flags(p: argparse.ArgumentParser) -> None:
@@ -371,6 +392,21 @@ def _add_attach_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plain-every", type=float, default=1.0, metavar="SECONDS",
                    help="without a terminal and without -o: print a text frame at most this often while the cache "
                         "changes")
+    p.add_argument("--vllm", nargs="+", action="extend", default=None, metavar="ENDPOINT[,REPLAY]",
+                   help="watch vLLM or SGLang workers' prefix caches from the KV events they publish (vLLM's "
+                        "--kv-events-config with publisher zmq) instead of a llama.cpp: each ENDPOINT is a worker's "
+                        "PUB socket, tcp://HOST:5557, and ,REPLAY its replay endpoint, tcp://HOST:5600, which resends "
+                        "batches kvscope missed; with data parallelism each rank publishes on the port + its rank: give "
+                        "them all (default: none)")
+    p.add_argument("--topic", default="", metavar="T",
+                   help="with --vllm: the publishers' topic (vLLM's kv-events-config topic; default: empty, as vLLM's)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="with --vllm: the model's tokenizer.json, Hugging Face folder or GGUF file, read here (nothing is "
+                        "downloaded), so that views show the blocks' tokens as text (default: token ids only)")
+    p.add_argument("--capacity-blocks", type=int, default=0, metavar="N",
+                   help="with --vllm: the blocks each worker holds at most (vLLM's num_gpu_blocks: the tokens its log "
+                        "gives as 'GPU KV cache size' over its block size), for views that show how full a cache is "
+                        "(default: 0, not known)")
     p.add_argument("run", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                    help="the llama.cpp command to run, after `--`; kvscope adds LLAMA_KV_CACHE_DEBUG=3 to its "
                         "environment and -v to its arguments unless it has -v or -lv N (N >= 1), and ends it when "

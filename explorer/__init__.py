@@ -17,7 +17,11 @@ come from engine/watch, so both explorers read alike.
     grid.follow(session)             # redrawn live by the session's worker after each change
     Timeline.open("run.kvtrace")     # a slider over a recording; attach(grid, ...) the views it moves
     Compare.of_settings(a=dict(type_k="f16"), b=dict(type_k="q4_0"), prompt="And God said")  # A/B
+
+    Explorer.attach(vllm=["tcp://10.0.0.5:5557"])   # a vLLM / SGLang deployment's prefix caches, from KV events
+    BlockViews.of(subscriber)        # its lanes of blocks, prefix tree, router view and evictions alone
 """
+from explorer.blocks import BlockViews
 from explorer.compare import Compare
 from explorer.event_log import EventLog
 from explorer.explorer import Explorer
@@ -28,5 +32,5 @@ from explorer.session_log import SessionLogPanel
 from explorer.timeline import Timeline
 from explorer.window import SwaWindow
 
-__all__ = ["CellGrid", "Compare", "EventLog", "Explorer", "MemoryBars", "ServerView", "SessionLogPanel", "SwaWindow",
-           "Timeline"]
+__all__ = ["BlockViews", "CellGrid", "Compare", "EventLog", "Explorer", "MemoryBars", "ServerView", "SessionLogPanel",
+           "SwaWindow", "Timeline"]

@@ -208,3 +208,30 @@ def test_blocks_import_without_torch():
             "print('ok')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_blocks_whose_parent_is_not_held_hang_under_a_node_for_it():
+    """Joined late: the worker holds the end of a chain whose start it stored before kvscope listened."""
+    mirror = BlockMirror()
+    mirror.apply(stored(0, CONVERSATION_A, skip=3))
+    mirror.apply(stored(0, CONVERSATION_B, skip=3))
+    a, b = chain(CONVERSATION_A), chain(CONVERSATION_B)
+    (root,) = mirror.tree(0)
+    assert root.block is None and root.hash == a[2] and root.n_blocks == 3
+    assert sorted(c.hash for c in root.children) == sorted([a[3], b[3]])
+    assert mirror.blocks(0)[a[4]].depth == -1 and mirror.blocks(0)[a[4]].root == a[2]
+
+
+def test_branch_heads_split_a_shared_prompt_from_each_conversation():
+    """Lanes colour by branch: a system prompt every conversation shares is one branch, each conversation below
+    it another, the same on every worker; a chain with no branching is one branch whatever its length."""
+    mirror = two_workers()
+    a, b, s = chain(CONVERSATION_A), chain(CONVERSATION_B), chain(SYSTEM)
+    heads = mirror.branch_heads()
+    assert [heads[h] for h in s] == [s[0]] * 3
+    assert [heads[h] for h in a[3:]] == [a[3], a[3]] and heads[b[3]] == b[3]
+    assert mirror.branch_heads() is heads  # nothing new: not worked out again
+    # joined late: children of a parent nobody holds head their own branches
+    late = BlockMirror()
+    late.apply_all([stored(0, CONVERSATION_A, skip=3), stored(0, CONVERSATION_B, skip=3)])
+    assert late.branch_heads() == {a[3]: a[3], a[4]: a[3], b[3]: b[3]}

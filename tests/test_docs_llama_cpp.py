@@ -1,11 +1,16 @@
 """docs/coming-from-llama-cpp.md stays honest: the flags it lists as supported are accepted by the
 CLI for the commands it names, the environment variables it lists are read by the engine, and the
-flags it lists as not supported are rejected (argparse's exit code 2)."""
+flags it lists as not supported are rejected (argparse's exit code 2). The "Which llama.cpp" box of
+docs/how-the-kv-cache-works.md and notebook 1 names the commit and the defaults llama.cpp's own binaries
+report, where they are found."""
 from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -188,3 +193,71 @@ def test_every_quirk_the_events_carry_is_documented():
     assert {"QUIRK_DRY_RUN_HEADS", "QUIRK_DRY_RUN_PURGE", "QUIRK_DIV_SHIFT"} <= quirks
     text = section("QUIRKs")
     assert [q for q in sorted(quirks) if f"`{q}`" not in text] == []
+
+
+# ---- "Which llama.cpp": the box at the top of docs/how-the-kv-cache-works.md and of notebook 1 -----------------
+HOW_IT_WORKS = ROOT / "docs" / "how-the-kv-cache-works.md"
+NOTEBOOK_1 = ROOT / "notebooks" / "01-what-a-kv-cache-is.ipynb"
+LLAMA_CPP_COMMIT = "0c1e570"
+LLAMA_CPP_SOURCE = re.compile(r"`((?:src|common|tools|include|ggml)/[\w/.-]+)`")
+
+
+def which_llama_cpp_boxes() -> tuple[str, str]:
+    """(the page's box, notebook 1's box): the blockquote that opens each."""
+    import nbformat
+
+    page = HOW_IT_WORKS.read_text(encoding="utf-8").split("\n\n")[1]
+    cells = nbformat.read(NOTEBOOK_1, as_version=4).cells
+    notebook = cells[1].source if cells[1].cell_type == "markdown" else ""
+    return page, notebook
+
+
+def test_the_which_llama_cpp_box_opens_the_page_and_notebook_1_alike():
+    page, notebook = which_llama_cpp_boxes()
+    for box in (page, notebook):
+        assert box.startswith("> **Which llama.cpp.** kvscope follows llama.cpp at commit `" + LLAMA_CPP_COMMIT + "`")
+        assert all(line.startswith(">") for line in box.splitlines())
+        bullets = re.split(r"\n> - ", box)[1:]
+        assert 4 <= len(bullets) <= 7
+        assert all(LLAMA_CPP_SOURCE.search(bullet) for bullet in bullets), "each bullet names llama.cpp's file"
+    assert LLAMA_CPP_SOURCE.findall(page) == LLAMA_CPP_SOURCE.findall(notebook)
+
+
+LLAMA_BIN = Path(os.environ.get("KVSCOPE_LLAMA_BIN") or Path(shutil.which("llama-server") or "").parent)
+LLAMA_SERVER = LLAMA_BIN / "llama-server"
+needs_llama_server = pytest.mark.skipif(not LLAMA_SERVER.is_file(),
+                                        reason="no llama-server: set KVSCOPE_LLAMA_BIN to its folder "
+                                               "(docs/watching-llama-cpp.md says how to build it)")
+
+
+def llama_server(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(LLAMA_SERVER), *argv], capture_output=True, text=True, timeout=60, check=False)
+
+
+@needs_llama_server
+def test_llama_server_is_the_commit_the_box_names():
+    out = llama_server("--version")
+    assert f"commit {LLAMA_CPP_COMMIT})" in out.stdout + out.stderr
+
+
+@needs_llama_server
+def test_llama_servers_defaults_are_the_boxs():
+    """Each option of `llama-server --help` by its first name, its text on one line."""
+    text = llama_server("--help").stdout
+    options = {entry.split()[0].rstrip(","): " ".join(entry.split()) for entry in re.split(r"\n(?=-)", text)}
+    expected = {
+        "-ngl": "'auto', or 'all' (default: auto)",
+        "-c": "(default: 0, 0 = loaded from model)",
+        "-fit": "default: 'on'",
+        "-fitc": "default: 4096",
+        "-np": "(default: -1, -1 = auto)",
+        "-kvu": "(default: enabled if number of slots is auto)",
+        "--context-shift": "(default: disabled)",
+        "--swa-full": "(default: false)",
+        "-ctxcp": "(default: 32)",
+        "-fa": "default: 'auto'",
+    }
+    wrong = {flag: options.get(flag) for flag, default in expected.items() if default not in options.get(flag, "")}
+    assert not wrong, wrong
+    bare = llama_server("-fa")  # older posts' bare -fa: the flag now takes on, off or auto
+    assert bare.returncode != 0 and "expected value for argument" in bare.stdout + bare.stderr

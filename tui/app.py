@@ -21,19 +21,21 @@ from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
 from textual.css.query import NoMatches
 from textual.events import Click, Key
+from textual.message import Message
 
 from engine import events as ev
-from engine.watch import AttentionWatch, Recorder, visibility
+from engine.watch import AttentionWatch, Recorder, block_views, visibility
 from engine.watch.describe import cache_title, free_seq, process_exit_text, tokens_per_second
 from engine.watch.frames import SHARED
 from engine.watch.sources import Source
+from tui.blocks import BlockCommands, BlockInspector, BlockLanes, LinesPanel, lay_out
 from tui.commands import SequenceCommands
 from tui.devices import DeviceBars
 from tui.event_log import EventLog
 from tui.fit import FittedLine, Part
 from tui.grid import CellGrid
 from tui.inspector import CellInspector
-from tui.keys import ATTACHED_KEYS, REPLAY_KEYS, SESSION_KEYS, KeyBar
+from tui.keys import ATTACHED_KEYS, BLOCK_KEYS, REPLAY_KEYS, SESSION_KEYS, KeyBar
 from tui.screens import HelpScreen, PromptScreen, SettingsScreen
 from tui.slots import SlotsPanel
 from tui.status import StatusLine
@@ -50,21 +52,45 @@ SESSION_ACTIONS = frozenset({"toggle_run", "step", "prompt", "seq_op", "settings
 ONLY_WATCHES = ("kvscope only watches an attached llama.cpp process: it cannot step, pause, prompt or change it "
                 "(? lists the keys that work)")
 EXIT_LINES_NOTIFIED = 4  # of a process that ended: its last lines in the notification (the event log has more)
+# vLLM / SGLang workers watched from their KV events: the block views replace the cell grid, and what only the cells
+# have (the window and attention overlays, zoom, the event log's filters) is off
+KV_EVENTS = "kv-events"
+CELL_ONLY_ACTIONS = frozenset({"toggle_window", "toggle_attention", "zoom", "log_group", "log_seq", "log_cache"})
+ONLY_WATCHES_BLOCKS = ("kvscope only watches the workers' KV events: it cannot step, pause, prompt or change them "
+                       "(? lists the keys that work)")
+# The block views are worked out on a thread (laying the lanes out sorts every block held; the tree and the
+# router's view walk them all: a second or more for a hundred thousand blocks, which the keys must not wait for),
+# again as events come, after a rest of this many times the last working out (a thread that never rests takes the
+# keys' share of the interpreter too), and at least a frame
+BLOCKS_REST_FACTOR = 3
+
+
+class BlocksWorkedOut(Message):
+    """The block views worked out on a thread: the lanes, the prefix tree (of `worker`), the router's view."""
+
+    def __init__(self, layout, worker: int | None, tree: list | None, router: list, cost_s: float) -> None:
+        super().__init__()
+        self.layout, self.worker, self.tree, self.router, self.cost_s = layout, worker, tree, router, cost_s
 
 
 class KvscopeApp(App):
     """kvscope's terminal explorer (see tui/__init__.py)."""
 
     TITLE = "kvscope"
-    COMMANDS = App.COMMANDS | {SequenceCommands}
+    COMMANDS = App.COMMANDS | {SequenceCommands, BlockCommands}
     CSS = """
     #title { height: 1; background: $primary-darken-2; color: $text; padding: 0 1; }
     #side { width: 48; scrollbar-size-vertical: 1; }
     #main { height: 2fr; }
     EventLog { height: 1fr; min-height: 8; }
+    #evictions { height: 7; }
+    #main.blocks #side { width: 40%; max-width: 80; min-width: 48; }
     Screen.-narrow #side { width: 32; }
     Screen.-narrow EventLog { height: 6; min-height: 6; }
     Screen.-narrow CellInspector { max-height: 9; }
+    Screen.-narrow BlockInspector { max-height: 9; }
+    Screen.-narrow #evictions { height: 5; }
+    Screen.-narrow #main.blocks #side { width: 34; min-width: 34; }
     """
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]  # 80 columns: the grid keeps 32 cells a row
     BINDINGS = [
@@ -123,10 +149,17 @@ class KvscopeApp(App):
         self.playing = False  # a replay advancing by itself (space)
         self._shown_at: tuple[int, int] = (-2, -1)  # a replay's (position, rebuilds) last drawn
         self._refused_at = -1e9  # when a key an attached source cannot obey was last answered (time.monotonic)
+        self.blocks_mode = source.kind == KV_EVENTS
+        self._blocks_busy = self._blocks_again = False  # the block views are being worked out; asked again since
+        self._blocks_timer = None  # the next working out, when one rests before it
+        self._tree_worker: int | None = -1  # whose tree the panel shows (-1: none drawn yet)
 
     # ---- layout ----------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         yield FittedLine(id="title")
+        if self.blocks_mode:
+            yield from self._compose_blocks()
+            return
         with Horizontal(id="main"):
             yield CellGrid(id="grid")
             # a server's slots first (when it runs, they are what a turn did); the rest scrolls with the mouse
@@ -138,7 +171,24 @@ class KvscopeApp(App):
         yield StatusLine(id="status")
         yield KeyBar(id="keys")
 
+    def _compose_blocks(self) -> ComposeResult:
+        with Horizontal(id="main", classes="blocks"):
+            yield BlockLanes(id="lanes")
+            with VerticalScroll(id="side", can_focus=False):
+                yield BlockInspector(id="inspector")
+                yield LinesPanel(id="tree", beside_text=36)  # room for "█ 12 blocks" and "+123 in 45 branches"
+                yield LinesPanel(id="router", wrap=True)
+        yield LinesPanel(id="evictions")
+        yield StatusLine(id="status")
+        yield KeyBar(id="keys")
+
     def on_mount(self) -> None:
+        if self.blocks_mode:
+            self._view(BlockLanes).focus()
+            self._view(KeyBar).show_keys(BLOCK_KEYS)
+            self.set_interval(1 / self.frames_per_second, self.refresh_view)
+            self.refresh_view()
+            return
         self._view(CellGrid).focus()
         replay = self.source.replay
         if replay is not None:
@@ -172,6 +222,8 @@ class KvscopeApp(App):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """An attached source's bindings that would command a session are off: Textual then leaves them out of
         its keys panel and runs nothing (on_key says why)."""
+        if self.blocks_mode and action in CELL_ONLY_ACTIONS:
+            return False
         return not (self.attached and action in SESSION_ACTIONS)
 
     def on_key(self, event: Key) -> None:
@@ -184,7 +236,7 @@ class KvscopeApp(App):
         now = time.monotonic()
         if now - self._refused_at >= self.NOTIFICATION_TIMEOUT:
             self._refused_at = now
-            self.notify(ONLY_WATCHES, severity="warning")
+            self.notify(ONLY_WATCHES_BLOCKS if self.blocks_mode else ONLY_WATCHES, severity="warning")
 
     # ---- one frame -------------------------------------------------------------------------------
     def refresh_view(self) -> None:
@@ -260,6 +312,9 @@ class KvscopeApp(App):
         self._draw_status()
 
     def _draw(self, new: list[ev.Event]) -> None:
+        if self.blocks_mode:
+            self._draw_blocks()
+            return
         grid = self._view(CellGrid)
         mirror = self.watcher.mirror
         seen = self._visibility()
@@ -273,6 +328,122 @@ class KvscopeApp(App):
         self._view("#title", FittedLine).show_parts(self._title())
         self.frames_drawn += 1
 
+    # ---- the block views (a source of kind "kv-events") -----------------------------------------------------
+    def _draw_blocks(self) -> None:
+        """New events: the eviction log and the title now, the lanes, tree and router's view as soon as a thread has
+        worked them out."""
+        blocks = self.watcher.mirror.blocks
+        evictions = self._view("#evictions", LinesPanel)
+        rows = max(1, evictions.content_region.height)
+        evictions.border_title = f"evictions, newest first · {len(blocks.evictions):,} logged"
+        evictions.show_lines(block_views.eviction_lines(blocks, rows, self._vocabulary), self.current_theme.dark)
+        self._view("#title", FittedLine).show_parts(self._blocks_title())
+        self.frames_drawn += 1
+        self._work_out_blocks()
+
+    def _draw_block_panels(self) -> None:
+        """What follows the cursor: the inspector, and (worked out apart) the selected worker's prefix tree, at
+        once when the cursor went to another worker."""
+        self._draw_block_inspector()
+        if self._view(BlockLanes).selected_worker != self._tree_worker:
+            self._work_out_blocks(now=True)
+
+    def _draw_block_inspector(self) -> None:
+        self._view(BlockInspector).show_block(self.watcher.mirror.blocks, self._view(BlockLanes).cursor_glyph(),
+                                              self._vocabulary, self.current_theme.dark)
+
+    def _work_out_blocks(self, now: bool = False) -> None:
+        """Work the lanes, the tree and the router's view out on a thread. One at a time; asked again meanwhile,
+        one more follows, after a rest (now: without one, unless one is being worked out)."""
+        if self._blocks_timer is not None and now:
+            self._blocks_timer.stop()
+            self._blocks_timer = None
+        if self._blocks_busy or self._blocks_timer is not None:
+            self._blocks_again = True
+            return
+        self._blocks_busy, self._blocks_again = True, False
+        blocks, vocabulary = self.watcher.mirror.blocks, self._vocabulary
+        lanes = self._view(BlockLanes)
+        width, height, held = lanes.size.width, lanes.size.height, lanes.lane_layout.held
+        worker = lanes.selected_worker if lanes.lanes else next(iter(blocks.workers()), None)
+        tree_chars, router_chars = self._view("#tree", LinesPanel).text_chars, self._view("#router", LinesPanel).text_chars
+        max_lines = self._tree_lines()
+
+        def work() -> None:
+            started = time.perf_counter()
+            layout = lay_out(blocks, width, height, held)
+            tree = None if worker is None else block_views.tree_lines(blocks, worker, vocabulary, max_lines=max_lines,
+                                                                      max_chars=tree_chars)
+            router = block_views.router_lines(blocks, vocabulary, max_chars=router_chars)
+            # a message rather than call_from_thread, which would wait for an app that may be closing
+            self.post_message(BlocksWorkedOut(layout, worker, tree, router, time.perf_counter() - started))
+
+        self.run_worker(work, thread=True, group="block-views")
+
+    def on_blocks_worked_out(self, message: BlocksWorkedOut) -> None:
+        self._blocks_busy = False
+        dark = self.current_theme.dark
+        lanes = self._view(BlockLanes)
+        lanes.show(message.layout)
+        self._draw_block_inspector()
+        worker = message.worker
+        tree = self._view("#tree", LinesPanel)
+        tree.border_title = "prefix tree" if worker is None else f"prefix tree · worker {worker}"
+        tree.show_lines(message.tree or [block_views.Line("no worker heard from yet")], dark)
+        self._tree_worker = worker
+        router = self._view("#router", LinesPanel)
+        router.border_title = "router view · GPU"
+        router.show_lines(message.router, dark)
+        self._view("#title", FittedLine).show_parts(self._blocks_title())
+        if lanes.selected_worker != worker:
+            self._work_out_blocks(now=True)
+        elif self._blocks_again:
+            rest = max(1 / self.frames_per_second, BLOCKS_REST_FACTOR * message.cost_s)
+            self._blocks_timer = self.set_timer(rest, self._blocks_rested)
+
+    def _blocks_rested(self) -> None:
+        self._blocks_timer = None
+        self._work_out_blocks()
+
+    @on(BlockLanes.Resized)
+    def _lanes_resized(self) -> None:
+        self._work_out_blocks(now=True)
+
+    @property
+    def blocks_busy(self) -> bool:
+        """The block views are being worked out, or rest before they are again (the last ones show meanwhile)."""
+        return self._blocks_busy or self._blocks_timer is not None
+
+    def _tree_lines(self) -> int:
+        """As many lines as a third of the screen: the tree shares the side with the inspector and the router."""
+        return max(4, self.size.height // 3)
+
+    @property
+    def _vocabulary(self):
+        return self.watcher.mirror.vocabulary
+
+    def _blocks_title(self) -> list[Part]:
+        blocks = self.watcher.mirror.blocks
+        workers = blocks.workers()
+        dialects = sorted({s.dialect for s in blocks.seen.values() if s.dialect})
+        model = self._vocabulary.model_name if self._vocabulary is not None and self._vocabulary.model_name else ""
+        worker = self._view(BlockLanes).selected_worker
+        parts = [Part("kvscope", "bold"), Part("prefix caches"),
+                 Part(f"{len(workers)} worker{'s' if len(workers) != 1 else ''}"),
+                 Part(model or "no vocabulary: token ids shown", rank=2),
+                 Part("/".join(dialects), rank=3) if dialects else None,
+                 Part(f"selected worker {worker}", rank=1) if worker is not None else None]
+        return [p for p in parts if p is not None]
+
+    def go_to_block(self, worker: int, block: bytes | None = None) -> None:
+        """The cursor onto a worker's block (or its first lane): for the command palette."""
+        lanes = self._view(BlockLanes)
+        if not lanes.to_block(worker, block) and block is not None:
+            self.notify(f"worker {worker} no longer holds that block: the inspector tells its story",
+                        severity="information")
+        self._draw_block_panels()
+        self._view("#title", FittedLine).show_parts(self._blocks_title())
+
     def _draw_inspector(self, seen) -> None:
         grid = self._view(CellGrid)
         where = grid.cursor_cells()
@@ -283,6 +454,9 @@ class KvscopeApp(App):
                                                 first, last, seen)
 
     def _draw_status(self) -> None:
+        if self.blocks_mode:
+            self._view(StatusLine).show_block_status(self.watcher, self.source.label)
+            return
         if self.attached:
             attached = self.source.attached
             self._view(StatusLine).show_attached_status(self.watcher, attached.label if attached.kind == "file" else "")
@@ -344,10 +518,18 @@ class KvscopeApp(App):
 
     # ---- the cursor and selection ------------------------------------------------------------------
     def action_cursor(self, d_glyph: int, d_row: int) -> None:
+        if self.blocks_mode:
+            self._view(BlockLanes).move_cursor(d_glyph=d_glyph, d_row=d_row)
+            self._draw_block_panels()
+            return
         self._view(CellGrid).move_cursor(d_glyph=d_glyph, d_row=d_row)
         self._select_from_cursor()
 
     def action_lane(self, d: int) -> None:
+        if self.blocks_mode:
+            self._view(BlockLanes).move_cursor(d_lane=d)
+            self._draw_block_panels()
+            return
         self._view(CellGrid).move_cursor(d_lane=d)
         self._select_from_cursor()
 
@@ -355,6 +537,11 @@ class KvscopeApp(App):
     def _clicked(self, event: Click) -> None:
         if self._view(CellGrid).click_cell(event.x, event.y):
             self._select_from_cursor()
+
+    @on(Click, "#lanes")
+    def _clicked_block(self, event: Click) -> None:
+        if self._view(BlockLanes).click_glyph(event.x, event.y):
+            self._draw_block_panels()
 
     def _select_from_cursor(self) -> None:
         where = self._view(CellGrid).cursor_cells()
@@ -370,6 +557,11 @@ class KvscopeApp(App):
         self._draw([])
 
     def action_next_seq(self, direction: int = 1) -> None:
+        if self.blocks_mode:  # tab: the next worker, as it is the next sequence of the cells
+            self._view(BlockLanes).to_worker(direction)
+            self._draw_block_panels()
+            self._view("#title", FittedLine).show_parts(self._blocks_title())
+            return
         present = sorted({s for cache in self.watcher.mirror.caches.values() for st in cache.streams
                           for s in range(256) if st.holds(s).any()}, reverse=direction < 0)
         if not present:
@@ -534,6 +726,10 @@ class KvscopeApp(App):
     def watch_theme(self, _theme: str) -> None:
         """Colours follow the background (engine/watch/style.py): redraw the log in the new theme's."""
         if self.screen_stack and self.screen_stack[0].is_mounted and self.frames_drawn:
+            if self.blocks_mode:
+                self._draw_blocks()
+                self._view(BlockLanes).refresh()
+                return
             self._refilter_log()
             self._view(CellGrid).refresh()
 
@@ -545,7 +741,8 @@ class KvscopeApp(App):
         log.add_events(list(self.watcher.recent))
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen(replay=self.source.replay is not None, attached=self.attached))
+        self.push_screen(HelpScreen(replay=self.source.replay is not None, attached=self.attached,
+                                    blocks=self.blocks_mode))
 
     async def action_quit(self) -> None:
         if self.recorder is not None:

@@ -67,6 +67,16 @@ ATTACHED_KEYS = (
     QUIT,
 )
 
+# vLLM / SGLang workers' prefix caches watched from their KV events: the keys move between workers and blocks only.
+BLOCK_KEYS = (
+    KeyHint("←→↑↓", "block", None, ("left", "right", "up", "down"), 2),
+    KeyHint("[ ]", "lane", None, ("left_square_bracket", "right_square_bracket"), 4),
+    KeyHint("tab", "next worker", "next_seq(1)", ("tab",), 1),
+    KeyHint("^p", "commands", "command_palette", ("ctrl+p",), 3),
+    HELP,
+    QUIT,
+)
+
 
 def fitted(hints: tuple[KeyHint, ...], width: int) -> list[KeyHint]:
     """The hints that fit in `width` cells, the least needed left out first (width <= 0: all)."""

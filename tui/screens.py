@@ -177,6 +177,56 @@ def help_text(dark: bool, replay: bool, attached: bool = False) -> Group:
     )
 
 
+def blocks_help_text(dark: bool) -> Group:
+    """The help of the block views (a vLLM / SGLang deployment watched from its KV events): what a lane, a glyph,
+    a colour and each panel mean, and the keys, which only move the view."""
+    colours = Text()
+    colours.append("Prefixes", style="bold")
+    colours.append(" keep one colour on every worker, in both explorers and every run: the colour of a block is its "
+                   "chain's first block's (its system prompt or conversation), picked by that block's hash from the "
+                   "palette of the cell grids:")
+    for colour in style.palette(dark):
+        colours.append(" ")
+        colours.append(style.GLYPH_ONE, style=colour)
+    empty = style.EMPTY_COLOR if dark else style.EMPTY_COLOR_ON_LIGHT
+    glyphs = Rows([
+        (Text(style.GLYPH_ONE, style=style.palette(dark)[0]), "a block a worker holds, in its prefix's colour"),
+        (Text(style.GLYPH_EMPTY, style=empty), "room the worker has for one more block (its capacity, where known)"),
+        ("".join(style.OCCUPANCY_GLYPHS[1:]), ("a glyph that covers several blocks (a lane wider than the screen): "
+                                              "from a few held to all, in the colour of the prefix holding most")),
+        (Text(style.GLYPH_ONE, style=f"bold underline {style.palette(dark)[1]}"), "stored since the last frame"),
+    ])
+    panels = Rows([
+        ("lanes", ("per worker, its summary (blocks held of its capacity, stored and evicted per second over the "
+                   "publisher's last 5 s, batches lost), then a lane per medium (GPU, CPU offload) and KV cache "
+                   "group (full attention, a sliding window): blocks by prefix, the oldest prefix first, each "
+                   "prefix's blocks by depth")),
+        ("block", ("the block under the cursor: when it was stored, its parent and prefix, its tokens, who else "
+                   "holds it, and when it was evicted")),
+        ("prefix tree", ("the selected worker's blocks as the parent hashes chain them: a chain of single children "
+                         "is one line, a branch its blocks and what hangs below it")),
+        ("router", ("what a KV-aware router sees: how deep the workers hold each shared prefix alike, and what each "
+                    "worker alone holds")),
+        ("evictions", "the blocks the workers evicted, newest first, and why when it was not the publisher's choice"),
+    ])
+    keys = Rows([
+        ("arrows, mouse", "the block under the cursor, explained beside the lanes (the cursor follows its block)"),
+        ("[ ]", "the lane before / after"),
+        ("tab shift+tab", "the next / previous worker: its prefix tree is shown"),
+        ("ctrl+p", "go to a worker, the most shared prefix, the block evicted last"),
+        ("? q", "this help, quit"),
+    ])
+    return Group(
+        Paragraph(Text("kvscope shows the prefix caches of vLLM or SGLang workers as their KV events describe them: "
+                       "which hashed blocks each worker holds, in which medium, and what they were evicted for. "
+                       "Nothing is sent to the workers; the events say what is held, not where, nor which request "
+                       "hit it. Times are the publisher's clock.")),
+        BLANK, _heading("Blocks"), glyphs, BLANK, Paragraph(colours), BLANK,
+        _heading("Panels"), panels, BLANK,
+        _heading("Keys", "(they move the view only)"), keys,
+    )
+
+
 class HelpScreen(ModalScreen[None]):
     BINDINGS = [Binding("escape,q,question_mark", "dismiss", "close")]
     DEFAULT_CSS = """
@@ -185,15 +235,17 @@ class HelpScreen(ModalScreen[None]):
                                   border: round $accent; background: $surface; padding: 1 2; }
     """
 
-    def __init__(self, replay: bool = False, attached: bool = False) -> None:
+    def __init__(self, replay: bool = False, attached: bool = False, blocks: bool = False) -> None:
         """replay: a recording is shown (its keys come first); attached: a llama.cpp watched from its log (only
-        the keys that move the view)."""
+        the keys that move the view); blocks: vLLM / SGLang workers watched from their KV events."""
         super().__init__()
-        self.replay, self.attached = replay, attached
+        self.replay, self.attached, self.blocks = replay, attached, blocks
 
     def compose(self) -> ComposeResult:
+        dark = self.app.current_theme.dark
         with VerticalScroll():
-            yield Static(help_text(self.app.current_theme.dark, self.replay, self.attached), id="help")
+            yield Static(blocks_help_text(dark) if self.blocks else help_text(dark, self.replay, self.attached),
+                         id="help")
 
 
 class PromptScreen(ModalScreen[str | None]):

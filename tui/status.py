@@ -4,6 +4,7 @@ as the notebook explorer's). It fits its width: the source's label and the speed
 step and any warning never."""
 from __future__ import annotations
 
+from engine.watch import block_views
 from engine.watch.describe import attached_status_parts, status_parts
 from engine.watch.watcher import Watcher
 from tui.fit import FittedLine, Part
@@ -11,6 +12,7 @@ from tui.fit import FittedLine, Part
 TONES = {"running": "bold reverse", "state": "bold", "error": "bold red", "warning": "yellow", "": ""}
 DECODE_RANK, SPEED_RANK, CACHE_RANK, LABEL_RANK = 4, 3, 2, 9
 DUMPS_RANK, DROPPED_RANK, NOT_UNDERSTOOD_RANK = 1, 3, 5  # a watched log's figures; dropped dumps, when any, never go
+STATS_RANK = 5  # KV event publishers' figures that are not warnings
 
 
 class StatusLine(FittedLine):
@@ -65,4 +67,23 @@ class StatusLine(FittedLine):
             parts.append(Part(text, TONES[tone], rank=rank))
         if log_label and log_label not in state:
             parts.append(Part(log_label, "dim", rank=LABEL_RANK, shrinks=True))
+        self.show_parts(parts)
+
+    def show_block_status(self, watcher: Watcher, source_label: str) -> None:
+        """vLLM / SGLang publishers watched: whether they still are, the workers and blocks, how the reading goes
+        (batches, lost, replayed, malformed, unknown tags and fields: a warning, never left out, when any), and
+        the source's label."""
+        status, blocks = watcher.status, watcher.mirror.blocks
+        state = status.state if status is not None else "waiting"
+        parts = [Part(state, TONES["state"])]
+        if watcher.stale:
+            parts.append(Part("events lost: resyncing", TONES["warning"]))
+        workers = blocks.workers()
+        held = sum(blocks.held(w) for w in workers)
+        # after the warnings, the last thing left out: how many workers and blocks are watched
+        parts.append(Part(f"{len(workers)} worker{'s' if len(workers) != 1 else ''}, {held:,} blocks", rank=1))
+        for text, warning in block_views.stats_parts(blocks):
+            parts.append(Part(text, TONES["warning"]) if warning else Part(text, rank=STATS_RANK))
+        if source_label:
+            parts.append(Part(source_label, "dim", rank=LABEL_RANK, shrinks=True))
         self.show_parts(parts)

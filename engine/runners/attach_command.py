@@ -1,7 +1,8 @@
 """`kvscope attach`: a real llama.cpp's cache from its own log (engine/runners/attach.py), a command run here
 or a saved log (--log, --follow), recorded (-o, no view), in the terminal explorer, or as text frames
 without a terminal. It runs until the log's end (--log without --follow), the command's exit, --seconds,
-SIGINT or SIGTERM (and q in the explorer); a command it started ends with it.
+SIGINT or SIGTERM (and q in the explorer); a command it started ends with it. With --vllm it watches vLLM or
+SGLang KV event publishers instead (engine/runners/kv_events_command.py), with the same views and recording.
 
 Exit status: 0 when the log was read or kvscope ended the command (asked to stop: a signal, --seconds, q);
 the command's own when it ended by itself (128 + N when signal N killed it), so that a script sees
@@ -51,7 +52,12 @@ class SignalStop:
 def run_attach(args: argparse.Namespace, explorer_app: Callable[[], type] | None = None) -> int:
     """`kvscope attach` with its parsed flags (engine/llama_flags.py); returns the exit status. explorer_app:
     what loads the terminal explorer's App class (the kvscope command passes it: the engine never imports
-    its front-ends); without it, a terminal gets text frames too."""
+    its front-ends); without it, a terminal gets text frames too. With --vllm: vLLM / SGLang KV event publishers
+    (engine/runners/kv_events_command.py)."""
+    if args.vllm:
+        from engine.runners.kv_events_command import run_kv_events_attach
+
+        return run_kv_events_attach(args, explorer_app)
     argv = checked_command(args)
     interactive = not args.output and sys.stdout.isatty() and sys.stdin.isatty()
     # a missing textual is told before anything starts
@@ -66,7 +72,9 @@ def run_attach(args: argparse.Namespace, explorer_app: Callable[[], type] | None
                 recorder = _recorder(args, attached)
                 view: View = functools.partial(_wait, attached)
             elif explorer is not None:
-                view = _explorer_view(explorer, attached)
+                from engine.watch.sources import attached_source
+
+                view = _explorer_view(explorer, attached_source(attached))
             else:
                 view = _plain_view(attached, args.plain_every)
             attached.start()
@@ -86,6 +94,9 @@ def run_attach(args: argparse.Namespace, explorer_app: Callable[[], type] | None
 
 def checked_command(args: argparse.Namespace) -> list[str]:
     """The command to run (empty with --log), after checking that the flags go together."""
+    from engine.runners.kv_events_command import check_kv_event_flags
+
+    check_kv_event_flags(args)  # --vllm's own flags, given without it
     argv = list(args.run)
     if argv[:1] == ["--"]:
         argv = argv[1:]
@@ -140,11 +151,10 @@ def _wait(attached: AttachedLog, stop: SignalStop, deadline: float | None) -> No
 
 
 # ---- the views -----------------------------------------------------------------------------------------
-def _explorer_view(app_class, attached: AttachedLog) -> View:
-    """The terminal explorer on the log until q; --seconds and SIGTERM close it from a thread of their own."""
-    from engine.watch.sources import attached_source
-
-    app = app_class(attached_source(attached))
+def _explorer_view(app_class, source) -> View:
+    """The terminal explorer on a watched source (engine/watch/sources.py: a llama.cpp log, KV event publishers)
+    until q; --seconds and SIGTERM close it from a thread of their own."""
+    app = app_class(source)
 
     def explore(stop: SignalStop, deadline: float | None) -> None:
         shown = threading.Event()

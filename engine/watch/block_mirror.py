@@ -93,6 +93,16 @@ class PrefixShare:
 
 
 @dataclass
+class RouterView:
+    """BlockMirror.router_view(): the prefixes as the workers hold them, and what each holds alone."""
+
+    held: dict[int, dict[bytes, Block]]  # worker -> hash -> block
+    holders: dict[bytes, list[int]]  # hash -> the workers holding it
+    shares: list[PrefixShare]  # the most widely held and longest first
+    exclusive: dict[int, dict[bytes, int]]  # worker -> first block -> blocks of that prefix no other worker holds
+
+
+@dataclass
 class WorkerCounts:
     held: int = 0
     stored: int = 0  # blocks stored since the mirror began
@@ -125,6 +135,8 @@ class BlockMirror:
         self.counts: dict[int, WorkerCounts] = {}
         self._rates: dict[int, collections.deque[tuple[float, int, int]]] = {}
         self.endpoints: dict[str, EndpointState] = {}
+        self.version = 0  # counts the events applied: what a view's cache of derived data is keyed by
+        self._heads: tuple[int, dict[bytes, bytes]] = (-1, {})
         self._lock = threading.RLock()
 
     # ---- applying events ------------------------------------------------------------------------
@@ -138,6 +150,7 @@ class BlockMirror:
                 self._apply(event)
 
     def _apply(self, event: ev.Event) -> None:
+        self.version += 1
         kind = type(event)
         if kind is ev.BlocksStored:
             self._store(event)
@@ -208,7 +221,7 @@ class BlockMirror:
         self._hold_chain(entry.block)
 
     def _store(self, event: ev.BlocksStored) -> None:
-        tiers = self._worker(event.worker)
+        tiers = self._tiers.get(event.worker) or self._worker(event.worker)
         tier_key = (event.medium, event.group)
         tier = tiers.get(tier_key)
         if tier is None:
@@ -216,16 +229,27 @@ class BlockMirror:
         if event.group_kind or event.sliding_window:
             self._groups[(event.worker, event.group)] = (event.group_kind, event.sliding_window)
         size, tokens, parent = event.block_size, event.token_ids, event.parent_hash
-        extra = event.extra_keys
+        extra, chains = event.extra_keys, self._chains
+        worker, medium, group, lora, ts, seq_no = (event.worker, event.medium, event.group, event.lora, event.ts,
+                                                   event.seq_no)
+        one = len(event.block_hashes) == 1  # the usual event (vLLM sends a block's store as it fills)
         for k, h in enumerate(event.block_hashes):
-            root, depth = self._chain_of(parent, h)
-            block = Block(h, parent, tokens[k * size:(k + 1) * size], size, event.worker, event.medium, event.group,
-                          event.lora, event.ts, event.seq_no, root, depth, extra[k] if k < len(extra) else "")
+            known = None if parent is None else chains.get(parent)  # _chain_of, inline
+            if known is not None:
+                root, depth = known[0], (known[1] + 1 if known[1] >= 0 else -1)
+            else:
+                root, depth = (h, 0) if parent is None else (parent, -1)
+            block = Block(h, parent, tokens if one and len(tokens) <= size else tokens[k * size:(k + 1) * size], size,
+                          worker, medium, group, lora, ts, seq_no, root, depth, extra[k] if k < len(extra) else "")
             old = tier.get(h)
             if old is not None:
                 self._drop_chain(old)
             tier[h] = block
-            self._hold_chain(block)
+            entry = chains.get(h)  # _hold_chain, inline: this loop runs per block of a busy deployment
+            if entry is None:
+                chains[h] = [root, depth, 1]
+            else:
+                entry[2] += 1
             parent = h
         n = len(event.block_hashes)
         counts = self.counts[event.worker]
@@ -357,15 +381,16 @@ class BlockMirror:
         does not hold hangs under a node (block None) for that parent, so that siblings stay together."""
         blocks = self.blocks(worker, medium, group)
         nodes = {h: TreeNode(h, b) for h, b in blocks.items()}
+        missing: dict[bytes, TreeNode] = {}  # parents not held, kept apart: nodes is being iterated
         roots: list[TreeNode] = []
-        for h, node in nodes.items():
+        for node in nodes.values():
             parent = node.block.parent
             if parent is None:
                 roots.append(node)
                 continue
-            above = nodes.get(parent)
+            above = nodes.get(parent) or missing.get(parent)
             if above is None:
-                above = nodes[parent] = TreeNode(parent, None)
+                above = missing[parent] = TreeNode(parent, None)
                 roots.append(above)
             above.children.append(node)
         for root in roots:
@@ -373,35 +398,77 @@ class BlockMirror:
         roots.sort(key=lambda n: -n.n_blocks)
         return roots
 
+    def branch_heads(self) -> dict[bytes, bytes]:
+        """held hash -> the first block of its branch: walking up its chain, the last block before a parent
+        that has several children (among the blocks any worker holds) or that no worker holds. A shared system
+        prompt is one branch, each conversation below it another: what a lane colours by, the same on every
+        worker. Worked out again only after new events."""
+        with self._lock:
+            if self._heads[0] == self.version:
+                return self._heads[1]
+            parents: dict[bytes, bytes | None] = {}
+            for tiers in self._tiers.values():
+                for tier in tiers.values():
+                    for h, block in tier.items():
+                        parents[h] = block.parent
+            children: dict[bytes, int] = {}
+            for parent in parents.values():
+                if parent is not None:
+                    children[parent] = children.get(parent, 0) + 1
+            heads: dict[bytes, bytes] = {}
+            for h in parents:
+                path = []
+                node = h
+                while node not in heads:
+                    parent = parents[node]
+                    path.append(node)
+                    if parent is None or parent not in parents or children.get(parent, 0) > 1:
+                        head = node
+                        break
+                    node = parent
+                else:
+                    head = heads[node]
+                for n in path:
+                    heads[n] = head
+            self._heads = (self.version, heads)
+            return heads
+
+    def router_view(self, medium: str | None = ev.MEDIUM_GPU) -> RouterView:
+        """What a KV-aware router sees, worked out from one copy of each worker's blocks: the lock is held only
+        while a worker's blocks are copied, not for the count (a while over a hundred thousand blocks, which
+        would hold back the events meanwhile)."""
+        held = {w: self.blocks(w, medium) for w in self.workers()}
+        holders: dict[bytes, list[int]] = {}
+        for worker, blocks in held.items():
+            for h in blocks:
+                holders.setdefault(h, []).append(worker)
+        shares: dict[bytes, PrefixShare] = {}
+        exclusive: dict[int, dict[bytes, int]] = {}
+        for worker, blocks in held.items():
+            only: dict[bytes, int] = {}
+            for h, block in blocks.items():
+                share = shares.get(block.root)
+                if share is None:
+                    share = shares[block.root] = PrefixShare(block.root, {}, {})
+                share.blocks[worker] = share.blocks.get(worker, 0) + 1
+                best = share.deepest.get(worker)
+                if best is None or block.depth > best.depth:
+                    share.deepest[worker] = block
+                if len(holders[h]) == 1:
+                    only[block.root] = only.get(block.root, 0) + 1
+            exclusive[worker] = dict(sorted(only.items(), key=lambda kv: -kv[1]))
+        ordered = sorted(shares.values(), key=lambda s: (-len(s.deepest), -max(b.depth for b in s.deepest.values()),
+                                                         -sum(s.blocks.values())))
+        return RouterView(held, holders, ordered, exclusive)
+
     def shared_prefixes(self, medium: str | None = ev.MEDIUM_GPU) -> list[PrefixShare]:
         """Every prefix (first block) with the deepest block each worker holds of it, the most widely held and
         longest first: what a KV-aware router sees when it picks a worker for a prompt."""
-        with self._lock:
-            shares: dict[bytes, PrefixShare] = {}
-            for worker in self._tiers:
-                for block in self.blocks(worker, medium).values():
-                    share = shares.get(block.root)
-                    if share is None:
-                        share = shares[block.root] = PrefixShare(block.root, {}, {})
-                    share.blocks[worker] = share.blocks.get(worker, 0) + 1
-                    best = share.deepest.get(worker)
-                    if best is None or block.depth > best.depth:
-                        share.deepest[worker] = block
-        return sorted(shares.values(), key=lambda s: (-len(s.deepest), -max(b.depth for b in s.deepest.values()),
-                                                      -sum(s.blocks.values())))
+        return self.router_view(medium).shares
 
     def exclusive_blocks(self, worker: int, medium: str | None = ev.MEDIUM_GPU) -> dict[bytes, int]:
         """first block -> how many blocks of that prefix this worker holds that no other worker does."""
-        with self._lock:
-            others = set()
-            for other in self._tiers:
-                if other != worker:
-                    others.update(self.blocks(other, medium))
-            out: dict[bytes, int] = {}
-            for h, block in self.blocks(worker, medium).items():
-                if h not in others:
-                    out[block.root] = out.get(block.root, 0) + 1
-        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+        return self.router_view(medium).exclusive.get(worker, {})
 
     # ---- the mirror's state, as events and as plain data ----------------------------------------
     def state_events(self) -> list[ev.Event]:

@@ -16,6 +16,7 @@ from typing import Callable
 from engine import events as ev
 from engine.errors import KvscopeError
 from engine.watch.frames import Frame, FrameReader, FrameSource
+from engine.watch.block_mirror import BLOCK_EVENTS
 from engine.watch.history import CellHistory
 from engine.watch.mirror import CacheMirror
 from engine.watch.server_slots import SERVER_EVENTS, ServerSlots
@@ -23,6 +24,7 @@ from engine.watch.server_slots import SERVER_EVENTS, ServerSlots
 StateSource = Callable[[], list[ev.Event]]
 _STATUS_KINDS = (ev.SessionStatus, ev.WorkloadStep, ev.CommandDone)
 _SERVER_KINDS = frozenset(SERVER_EVENTS)
+_BLOCK_TYPES = frozenset(BLOCK_EVENTS)
 
 
 class Watcher:
@@ -133,9 +135,11 @@ class Watcher:
         self.mirror.apply_all(events)
         frames, history = self.frames, self.history
         for event in events:
+            kind = type(event)
+            if kind in _BLOCK_TYPES:  # the mirror's blocks are all they change; tens of thousands a second
+                continue
             frames.apply(event)
             history.apply(event)
-            kind = type(event)
             if kind in _STATUS_KINDS:
                 self._note_status(event)
             elif kind in _SERVER_KINDS:

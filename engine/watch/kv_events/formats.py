@@ -90,10 +90,19 @@ def hash_text(value: bytes | None, digits: int = 4) -> str:
 # ---- reading --------------------------------------------------------------------------------------
 def decode_batch(payload: bytes) -> WireBatch:
     """The batch in a message's payload, in whichever layout it came; WireError when it is none of them."""
+    return batch_from_object(unpack_payload(payload))
+
+
+def unpack_payload(payload: bytes) -> Any:
+    """A payload's msgpack object (what batch_from_object reads); WireError when it is not msgpack."""
     try:
-        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
+        return msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
     except Exception as e:  # msgpack reports bad bytes with several exception types
         raise WireError(f"not msgpack ({type(e).__name__}: {e})") from None
+
+
+def batch_from_object(obj: Any) -> WireBatch:
+    """decode_batch for a payload already unpacked (a reader with a fast path of its own unpacks once)."""
     if isinstance(obj, dict):
         unknown = len(obj.keys() - BATCH_FIELDS)
         ts, events = obj.get("ts"), obj.get("events")
@@ -122,65 +131,88 @@ def decode_batch(payload: bytes) -> WireBatch:
     return batch
 
 
+# The reader's hot path (a worker publishes tens of thousands of blocks a second): one type() look per value
+# and C-level scans of hash and token lists, where isinstance per element would cost more than the rest.
+_INTS, _BYTES = frozenset({int}), frozenset({bytes})
+_STORED_KNOWN = STORED_FIELDS | {"type"}  # a map event's own tag is no unknown field
+_REMOVED_KNOWN = REMOVED_FIELDS | {"type"}
+_CLEARED_KNOWN = frozenset({"type"})
+_TAGS = (STORED, REMOVED, CLEARED)
+
+
 def _decode_event(raw: Any, batch: WireBatch) -> WireEvent | None:
-    if isinstance(raw, dict):
+    if type(raw) is dict:
         tag = raw.get("type")
-        values = {k: v for k, v in raw.items() if k != "type"}
-    elif isinstance(raw, list) and raw and isinstance(raw[0], str):
+        values = raw
+    elif type(raw) is list and raw and type(raw[0]) is str:
         tag = raw[0]
         names = STORED_POSITIONS if tag == STORED else REMOVED_POSITIONS if tag == REMOVED else ()
         values = dict(zip(names, raw[1:]))
-        batch.unknown_fields += max(0, len(raw) - 1 - len(names))
     else:
         raise WireError(f"an event is a tagged array or map, not {_describe(raw)}")
-    if tag not in (STORED, REMOVED, CLEARED):
+    if tag not in _TAGS:  # counted as one unknown event, its fields with it, in either layout
         batch.unknown_tags += 1
         batch.unknown_tag_names.add(str(tag)[:40])
         return None
-    known = STORED_FIELDS if tag == STORED else REMOVED_FIELDS if tag == REMOVED else frozenset()
-    batch.unknown_fields += len(values.keys() - known)
-    event = WireEvent(tag)
+    if values is not raw:
+        batch.unknown_fields += max(0, len(raw) - 1 - len(names))
+    known = _STORED_KNOWN if tag == STORED else _REMOVED_KNOWN if tag == REMOVED else _CLEARED_KNOWN
+    if not known.issuperset(values):
+        batch.unknown_fields += len(values.keys() - known)
     if tag == CLEARED:
-        return event
+        return WireEvent(tag)
     hashes = values.get("block_hashes")
-    if not isinstance(hashes, list):
+    if type(hashes) is not list:
         raise WireError(f"{tag}: block_hashes must be a list, not {_describe(hashes)}")
-    event.block_hashes = tuple(hash_bytes(h) for h in hashes)
-    event.medium = _optional(values, "medium", str, tag)
-    event.group_idx = _optional(values, "group_idx", int, tag)
+    kinds = set(map(type, hashes))
+    if kinds <= _BYTES:
+        block_hashes = tuple(hashes)
+    elif kinds <= _INTS:
+        block_hashes = tuple([(h & HASH_MASK).to_bytes(8, "big") for h in hashes])
+    else:
+        block_hashes = tuple(hash_bytes(h) for h in hashes)  # raises for what is neither
+    medium, group_idx = values.get("medium"), values.get("group_idx")
+    if (medium is not None and type(medium) is not str) or (group_idx is not None and type(group_idx) is not int):
+        _optional(values, "medium", str, tag)  # raises, naming the field
+        _optional(values, "group_idx", int, tag)
     if tag == REMOVED:
-        return event
+        return WireEvent(tag, block_hashes, medium=medium, group_idx=group_idx)
     parent = values.get("parent_block_hash")
-    event.parent_hash = None if parent is None else hash_bytes(parent)
+    parent_hash = None if parent is None else parent if type(parent) is bytes else hash_bytes(parent)
     tokens = values.get("token_ids")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+    if type(tokens) is not list or not set(map(type, tokens)) <= _INTS:
         raise WireError(f"{tag}: token_ids must be a list of integers")
-    event.token_ids = tuple(tokens)
     size = values.get("block_size")
-    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+    if type(size) is not int or size <= 0:
         raise WireError(f"{tag}: block_size must be a positive integer, not {_describe(size)}")
-    event.block_size = size
-    event.lora_id = _optional(values, "lora_id", int, tag)
-    event.lora_name = _optional(values, "lora_name", str, tag)
-    extra = values.get("extra_keys")
-    event.extra_keys = tuple(extra) if isinstance(extra, list) else None
-    event.group_kind = _optional(values, "kv_cache_spec_kind", str, tag)
-    event.sliding_window = _optional(values, "kv_cache_spec_sliding_window", int, tag)
-    return event
+    lora_id, lora_name, extra = values.get("lora_id"), values.get("lora_name"), values.get("extra_keys")
+    kind, window = values.get("kv_cache_spec_kind"), values.get("kv_cache_spec_sliding_window")
+    if ((lora_id is not None and type(lora_id) is not int) or (lora_name is not None and type(lora_name) is not str)
+            or (kind is not None and type(kind) is not str) or (window is not None and type(window) is not int)):
+        for name, expected in (("lora_id", int), ("lora_name", str), ("kv_cache_spec_kind", str),
+                               ("kv_cache_spec_sliding_window", int)):
+            _optional(values, name, expected, tag)  # the first wrong one raises, naming itself
+    return WireEvent(tag, block_hashes, parent_hash, tuple(tokens), size, lora_id, medium, lora_name,
+                     tuple(extra) if type(extra) is list else None, group_idx, kind, window)
 
 
 def _optional(values: dict, name: str, kind: type, tag: str) -> Any:
     value = values.get(name)
-    if value is None or (isinstance(value, kind) and not isinstance(value, bool)):
+    if value is None or type(value) is kind:
         return value
     raise WireError(f"{tag}: {name} must be {kind.__name__} or nil, not {_describe(value)}")
 
 
 def _array_dialect(batch: list, events: list) -> str:
     """Which array layout a batch is in, as far as it shows (an empty batch shows little)."""
-    longest = max((len(e) for e in events if isinstance(e, list) and e and e[0] == STORED), default=0)
-    bytes_hashes = any(isinstance(h, (bytes, bytearray)) for e in events if isinstance(e, list) and len(e) > 1
-                       and isinstance(e[1], list) for h in e[1])
+    longest, bytes_hashes = 0, False
+    for e in events:
+        if type(e) is not list or not e:
+            continue
+        if e[0] == STORED and len(e) > longest:
+            longest = len(e)
+        if not bytes_hashes and len(e) > 1 and type(e[1]) is list:
+            bytes_hashes = not _BYTES.isdisjoint(map(type, e[1]))
     if longest > 7 or bytes_hashes:
         return "array-v3"
     return "array-v2" if len(batch) > 2 or longest > 6 else "array-v1"
