@@ -143,7 +143,7 @@ class Explorer(Shown):
         self._steps: list[ev.WorkloadStep] = []
         self.update_seconds: collections.deque[float] = collections.deque(maxlen=100)
         self._events_seen = 0
-        self.kv_events = self.source.kind == "kv-events"
+        self.kv_events = self.source.shows_blocks
         watcher = self.source.watcher
         if every_s is None and self.kv_events:
             every_s = BLOCKS_EVERY_S

@@ -381,3 +381,35 @@ async def test_blocks_take_their_prefix_colour_on_a_dark_and_a_light_theme():
             assert glyphs == style.GLYPH_ONE * 4 + style.GLYPH_EMPTY * 3
             assert per_glyph == [bv.prefix_color(root, dark)] * 2 + [bv.prefix_color(own, dark)] * 2 + \
                 [bv.prefix_color(None, dark)] * 3
+
+
+async def test_a_recording_of_kv_events_replays_in_the_block_views(tmp_path):
+    """`kvscope attach --vllm -o FILE`, then `kvscope tui --replay FILE`: the block views, moved by the replay's
+    keys (a recording of cells keeps the grids)."""
+    from engine.watch.recording import Recorder
+    from engine.watch.sources import replay_source
+
+    a = chain(CONVERSATION_A)
+    bus, path = ev.EventBus(), tmp_path / "blocks.kvtrace"
+    with Recorder(path, keyframe_every=2) as recorder:
+        recorder.attach(bus)
+        for event in [ev.KvWorkerSeen(0, "tcp://a:5557", 0), stored(0, CONVERSATION_A, ts=T0 + 1.0),
+                      stored(0, CONVERSATION_B, skip=3, ts=T0 + 2.0), ev.BlocksRemoved(0, (a[4],), ts=T0 + 3.0)]:
+            bus.publish(event)
+        recorder.pump()
+    source = replay_source(path)
+    assert source.shows_blocks
+    app = KvscopeApp(source)
+    try:
+        async with app.run_test(size=(120, 40)) as pilot:
+            held = []
+            for _ in range(4):
+                await pilot.press("full_stop")
+                await drawn(app, pilot)
+                held.append(app.watcher.mirror.blocks.held(0))
+            assert held == [0, 5, 6, 5]
+            assert app.query_one(BlockLanes).layout is not None
+            assert "event 4 of 4" in str(app.query_one("#evictions", LinesPanel).border_subtitle)
+            assert hash_text(a[4]) in text_of(app, "#evictions")
+    finally:
+        source.close()

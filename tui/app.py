@@ -54,7 +54,6 @@ ONLY_WATCHES = ("kvscope only watches an attached llama.cpp process: it cannot s
 EXIT_LINES_NOTIFIED = 4  # of a process that ended: its last lines in the notification (the event log has more)
 # vLLM / SGLang workers watched from their KV events: the block views replace the cell grid, and what only the cells
 # have (the window and attention overlays, zoom, the event log's filters) is off
-KV_EVENTS = "kv-events"
 CELL_ONLY_ACTIONS = frozenset({"toggle_window", "toggle_attention", "zoom", "log_group", "log_seq", "log_cache"})
 ONLY_WATCHES_BLOCKS = ("kvscope only watches the workers' KV events: it cannot step, pause, prompt or change them "
                        "(? lists the keys that work)")
@@ -149,7 +148,7 @@ class KvscopeApp(App):
         self.playing = False  # a replay advancing by itself (space)
         self._shown_at: tuple[int, int] = (-2, -1)  # a replay's (position, rebuilds) last drawn
         self._refused_at = -1e9  # when a key an attached source cannot obey was last answered (time.monotonic)
-        self.blocks_mode = source.kind == KV_EVENTS
+        self.blocks_mode = source.shows_blocks
         self._blocks_busy = self._blocks_again = False  # the block views are being worked out; asked again since
         self._blocks_timer = None  # the next working out, when one rests before it
         self._tree_worker: int | None = -1  # whose tree the panel shows (-1: none drawn yet)
@@ -303,12 +302,16 @@ class KvscopeApp(App):
             self._shown_at = shown
             self.attention = AttentionWatch()
             recent = list(self.watcher.recent)
-            for event in recent:
-                self.attention.apply(event)
-            log = self._view(EventLog)
-            log.clear()
-            self._draw(recent[-SHOWN_IN_REPLAY_LOG:])
-            log.border_subtitle = f"event {replay.position + 1} of {len(replay)}"
+            if self.blocks_mode:  # a recording of KV events: no event log, the eviction log says what went
+                self._draw(recent)
+                self._view("#evictions", LinesPanel).border_subtitle = f"event {replay.position + 1} of {len(replay)}"
+            else:
+                for event in recent:
+                    self.attention.apply(event)
+                log = self._view(EventLog)
+                log.clear()
+                self._draw(recent[-SHOWN_IN_REPLAY_LOG:])
+                log.border_subtitle = f"event {replay.position + 1} of {len(replay)}"
         self._draw_status()
 
     def _draw(self, new: list[ev.Event]) -> None:

@@ -28,6 +28,17 @@ class Source:
         return self.session is not None
 
     @property
+    def shows_blocks(self) -> bool:
+        """Whether its views are the block views (vLLM / SGLang workers' prefix caches) rather than cell grids:
+        a live KV event stream, or a recording of one (workers heard from, no cache of cells created)."""
+        if self.kind == "kv-events":
+            return True
+        if self.replay is not None:
+            kinds = self.replay.reader.kinds()  # read once and kept: the replay's jumps use it too
+            return "KvWorkerSeen" in kinds and "ContextCreated" not in kinds
+        return False
+
+    @property
     def watcher(self) -> Watcher:
         """The watcher to draw from (a replay may rebuild its own when it seeks backward)."""
         return self.replay.watcher if self.replay is not None else self.own_watcher
