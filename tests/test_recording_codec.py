@@ -32,6 +32,8 @@ def sample_value(hint, depth: int = 0):
         return f"text {depth} é"
     if hint is bool:
         return True
+    if hint is bytes:
+        return bytes([depth, 0xFF, 0x00]) + b"hash"  # a block hash: msgpack bin, zero and high bytes included
     if hint is np.ndarray:
         return np.arange(3 + depth, dtype=np.int64)
     if origin in (typing.Union, types.UnionType):
