@@ -904,3 +904,23 @@ class EventBus:
         # Offering under the bus lock keeps every queue in seq_no order; _offer never blocks.
         for sub in self._subs:
             sub._offer(event)
+
+
+class WatchedBus:
+    """What a watched source (a llama.cpp log read, KV event publishers) offers a Watcher or a Recorder, for one that
+    publishes its events on `self.bus` while holding `self._lock` (a reentrant lock): subscribing and taking the
+    state under that lock, a subscriber gets the state and then every later event exactly once."""
+
+    bus: EventBus
+    _lock: threading.RLock
+
+    def subscribe(self, maxsize: int = 65536, kinds: tuple[type, ...] | None = None,
+                  with_state: bool = True) -> Subscription:
+        """A watcher's (or a Recorder's) subscription: the picture so far first, then every event."""
+        with self._lock:
+            return self.bus.subscribe(maxsize, kinds, with_state)
+
+    def current_state(self) -> list[Event]:
+        """The picture so far as events, stamped with the last event published before it."""
+        with self._lock:
+            return self.bus.current_state()

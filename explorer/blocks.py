@@ -109,7 +109,17 @@ class BlockChanges:
         self._events, self._mirror, self._pending, self._next_at = -1, None, False, 0.0
 
 
-class BlockLanes(WatcherView):
+class BlockView(WatcherView):
+    """A view of a watcher's blocks that redraws only when they changed (`_changes`); forget() has the next
+    update() draw whatever it finds (the watcher's mirror was replaced, or the page was rebuilt)."""
+
+    _changes: BlockChanges
+
+    def forget(self) -> None:
+        self._changes.forget()
+
+
+class BlockLanes(BlockView):
     """Per worker its summary line and a lane per medium and KV cache group: a square per block (per glyph of
     block_views' model once folded) in its prefix's colour, the capacity after them as empty squares, hovering
     a block says describe_block's sentence. update() polls and redraws when blocks changed."""
@@ -139,9 +149,6 @@ class BlockLanes(WatcherView):
         """A mark's pitch in pixels: square marks of 18 pixels up to 48 columns, narrower beyond, so that the lanes
         (with the summaries' room) fit the 960-odd pixels of a JupyterLab output area beside its file browser."""
         return 18 if self.columns <= 48 else max(4, 880 // self.columns)
-
-    def forget(self) -> None:
-        self._changes.forget()
 
     def update(self) -> list[bv.BlockLane]:
         self.watcher.poll()
@@ -218,7 +225,7 @@ class BlockLanes(WatcherView):
                     yanchor="middle", showarrow=False, font=dict(size=size))
 
 
-class PrefixTree(WatcherView):
+class PrefixTree(BlockView):
     """Every worker's prefix tree as a plotly icicle: a box per branch (a chain of single children collapsed into
     one, ids "worker/hash", parents by parent hash), sized by the blocks held below it, labelled with its first
     block's text, in its prefix's colour; the largest TREE_NODES branches drawn, the title says what was left
@@ -237,9 +244,6 @@ class PrefixTree(WatcherView):
         self.left_out = (0, 0)  # (branches, blocks) the last drawing left out
         self._changes = BlockChanges(pace=TREE_PACE)
         self.update()
-
-    def forget(self) -> None:
-        self._changes.forget()
 
     def update(self) -> None:
         self.watcher.poll()
@@ -319,7 +323,7 @@ class PrefixTree(WatcherView):
         return html.escape(label), hover, bv.prefix_color(root, self.dark)
 
 
-class RouterView(WatcherView):
+class RouterView(BlockView):
     """What a KV-aware router sees (block_views.router_lines): the prefixes several workers hold and how deep,
     then per worker what only it holds; each line in its prefix's colour."""
 
@@ -328,9 +332,6 @@ class RouterView(WatcherView):
         self.widget = widgets.HTML(layout=widgets.Layout(flex=f"1 1 {SIDE_WIDTH}px", overflow="auto"))
         self._changes = BlockChanges()
         self.update()
-
-    def forget(self) -> None:
-        self._changes.forget()
 
     def update(self) -> None:
         self.watcher.poll()
@@ -342,7 +343,7 @@ class RouterView(WatcherView):
         self.widget.value = f"<b>router</b><div style='{LOG_TEXT_STYLE}; white-space: pre-wrap'>{body}</div>"
 
 
-class EvictionLog(WatcherView):
+class EvictionLog(BlockView):
     """The blocks evicted last, newest first (block_views.eviction_lines), each in its prefix's colour."""
 
     def __init__(self, watcher: Watcher, *, lines: int = EVICTION_LINES, dark: bool = False) -> None:
@@ -351,9 +352,6 @@ class EvictionLog(WatcherView):
         self.widget = widgets.VBox([widgets.HTML("<b>evictions</b>"), self.text])
         self._changes = BlockChanges()
         self.update()
-
-    def forget(self) -> None:
-        self._changes.forget()
 
     def update(self) -> None:
         self.watcher.poll()

@@ -17,7 +17,6 @@ from functools import partial
 from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
-from textual.command import Hit, Hits, Provider
 from textual.geometry import Size
 from textual.message import Message
 from textual.scroll_view import ScrollView
@@ -27,6 +26,7 @@ from engine import events as ev
 from engine.watch import block_views as bv
 from engine.watch.block_mirror import BlockMirror
 from engine.watch.kv_events.formats import hash_text
+from tui.commands import ListedCommands
 from tui.fit import Part, fit
 from tui.text_panel import TextPanel
 
@@ -410,7 +410,7 @@ class LinesPanel(TextPanel):
         return max(10, min(bv.TEXT_CHARS, self.content_region.width - self.beside_text))
 
 
-class BlockCommands(Provider):
+class BlockCommands(ListedCommands):
     """The palette's entries for the block views: go to a worker, to the deepest block of the most shared
     prefix, to the block evicted last; and the help."""
 
@@ -434,13 +434,3 @@ class BlockCommands(Provider):
                         partial(app.go_to_block, gone.worker, gone.hash)))
         return out
 
-    async def discover(self) -> Hits:
-        for name, help_text, run in self._commands():
-            yield Hit(1.0, name, run, help=help_text)
-
-    async def search(self, query: str) -> Hits:
-        matcher = self.matcher(query)
-        for name, help_text, run in self._commands():
-            score = matcher.match(name)
-            if score > 0:
-                yield Hit(score, matcher.highlight(name), run, help=help_text)

@@ -6,7 +6,23 @@ from functools import partial
 from textual.command import Hit, Hits, Provider
 
 
-class SequenceCommands(Provider):
+class ListedCommands(Provider):
+    """A palette provider of the commands its subclass lists in _commands() (name, help text, what runs it):
+    all of them when the palette opens, those whose name matches as one types."""
+
+    async def discover(self) -> Hits:
+        for name, help_text, run in self._commands():
+            yield Hit(1.0, name, run, help=help_text)
+
+    async def search(self, query: str) -> Hits:
+        matcher = self.matcher(query)
+        for name, help_text, run in self._commands():
+            score = matcher.match(name)
+            if score > 0:
+                yield Hit(score, matcher.highlight(name), run, help=help_text)
+
+
+class SequenceCommands(ListedCommands):
     """Session commands: run, step, sequence operations, context shift, clear, state, settings, record."""
 
     def _commands(self) -> list[tuple[str, str, object]]:
@@ -60,13 +76,3 @@ class SequenceCommands(Provider):
         self.app.command("load_state", self.app.source.session.load_state(path, seq_id=seq),
                          done=f"state loaded from {path}")
 
-    async def discover(self) -> Hits:
-        for name, help_text, run in self._commands():
-            yield Hit(1.0, name, run, help=help_text)
-
-    async def search(self, query: str) -> Hits:
-        matcher = self.matcher(query)
-        for name, help_text, run in self._commands():
-            score = matcher.match(name)
-            if score > 0:
-                yield Hit(score, matcher.highlight(name), run, help=help_text)

@@ -179,7 +179,7 @@ def _verbosity(args: list[str]) -> int | None:
     return verbosity
 
 
-class AttachedLog:
+class AttachedLog(ev.WatchedBus):
     """A llama.cpp log read as it comes, as events: see the module docstring. Made by run() or read()."""
 
     def __init__(self, *, label: str, kind: str, path: Path | None = None, follow: bool = False,
@@ -298,18 +298,7 @@ class AttachedLog:
         self.label = f"{Path(self.argv[0]).name} (pid {self.pid})"
         self._status = dataclasses.replace(self._status, message=self._running_message())
 
-    # ---- what a watcher reads ----------------------------------------------------------------------
-    def subscribe(self, maxsize: int = 65536, kinds: tuple[type, ...] | None = None,
-                  with_state: bool = True) -> ev.Subscription:
-        """A watcher's (or a Recorder's) subscription: the picture so far first, then every event."""
-        with self._lock:
-            return self.bus.subscribe(maxsize, kinds, with_state)
-
-    def current_state(self) -> list[ev.Event]:
-        """The picture so far as events, stamped with the last event published before it."""
-        with self._lock:
-            return self.bus.current_state()
-
+    # ---- what a watcher reads: subscribe() and current_state(), from WatchedBus -------------------------
     def _state_events(self) -> list[ev.Event]:
         with self._lock:
             if not self._started:

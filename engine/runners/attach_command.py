@@ -65,25 +65,12 @@ def run_attach(args: argparse.Namespace, explorer_app: Callable[[], type] | None
     # Not started yet: the recording and the views subscribe first, and get every event from the first line.
     attached = AttachedLog.run(argv, passthrough=args.passthrough, start=False) if argv else \
         AttachedLog.read(args.log, follow=args.follow, start=False)
-    recorder = None
-    with SignalStop() as stop:
-        try:
-            if args.output:
-                recorder = _recorder(args, attached)
-                view: View = functools.partial(_wait, attached)
-            elif explorer is not None:
-                from engine.watch.sources import attached_source
+    from engine.runners.attach_frames import print_frames
+    from engine.watch.sources import attached_source
 
-                view = _explorer_view(explorer, attached_source(attached))
-            else:
-                view = _plain_view(attached, args.plain_every)
-            attached.start()
-            _say_what_runs(attached)
-            view(stop, None if args.seconds is None else time.monotonic() + args.seconds)
-        finally:
-            attached.close()  # first: its last events (the exit, the final status) reach the recording
-            if recorder is not None:
-                _close_recording(recorder, keep=attached.started)
+    watch_until_stopped(args, attached, explorer, make_recorder=functools.partial(_recorder, args, attached),
+                        make_source=lambda: attached_source(attached), print_frames=print_frames,
+                        say_started=lambda: _say_what_runs(attached))
     _say_how_it_ended(attached)
     if attached.error is not None:
         raise KvscopeError(attached.status.message)
@@ -110,13 +97,43 @@ def checked_command(args: argparse.Namespace) -> list[str]:
         raise KvscopeError("attach: --follow goes with --log FILE (a command run here is followed anyway)")
     if args.passthrough is not None and args.log is not None:
         raise KvscopeError("attach: --passthrough goes with a command run here; --log reads a file already written")
+    check_watch_flags(args)
+    return argv
+
+
+def check_watch_flags(args: argparse.Namespace) -> None:
+    """The flags of how long and how a watch runs, whatever is watched (a llama.cpp log, KV event publishers)."""
     if args.seconds is not None and not args.seconds > 0:
         raise KvscopeError(f"attach: --seconds must be > 0, got {args.seconds}")
     if not args.plain_every > 0:
         raise KvscopeError(f"attach: --plain-every must be > 0, got {args.plain_every}")
     if args.keyframe_every < 1:
         raise KvscopeError(f"attach: --keyframe-every must be >= 1, got {args.keyframe_every}")
-    return argv
+
+
+def watch_until_stopped(args: argparse.Namespace, watched, explorer, *, make_recorder: Callable[[], object],
+                        make_source: Callable[[], object], print_frames: Callable[..., None],
+                        say_started: Callable[[], None]) -> None:
+    """Record (-o), explore (a terminal) or print text frames of `watched` (an AttachedLog or a KvEventSubscriber:
+    start(), close(), started, finished) until it ends, --seconds passes or a signal (or q) asks to stop. The
+    recording and the view subscribe before it starts, and so get every event."""
+    recorder = None
+    with SignalStop() as stop:
+        try:
+            if args.output:
+                recorder = make_recorder()
+                view: View = functools.partial(_wait, watched)
+            elif explorer is not None:
+                view = _explorer_view(explorer, make_source())
+            else:
+                view = _plain_view(watched, args.plain_every, print_frames)
+            watched.start()
+            say_started()
+            view(stop, None if args.seconds is None else time.monotonic() + args.seconds)
+        finally:
+            watched.close()  # first: its last events (an exit, the final status and stats) reach the recording
+            if recorder is not None:
+                _close_recording(recorder, keep=watched.started)
 
 
 # ---- the recording -------------------------------------------------------------------------------------
@@ -144,9 +161,9 @@ def _close_recording(recorder, keep: bool) -> None:
               f"from the recording (an EventsDropped event marks where)", file=sys.stderr)
 
 
-def _wait(attached: AttachedLog, stop: SignalStop, deadline: float | None) -> None:
+def _wait(watched, stop: SignalStop, deadline: float | None) -> None:
     """Until the log ends, the command exits, the deadline passes or a signal asks kvscope to stop."""
-    while not attached.finished and not stop.due(deadline):
+    while not watched.finished and not stop.due(deadline):
         time.sleep(0.1)  # a sleep, which a signal interrupts: its handler runs at once
 
 
@@ -177,20 +194,19 @@ def _explorer_view(app_class, source) -> View:
     return explore
 
 
-def _plain_view(attached: AttachedLog, every_s: float) -> View:
-    """Text frames on stdout (no terminal) until the log ends or the command exits; told to stop, kvscope
-    ends the command first, so that the last frame shows how it ended."""
-    from engine.runners.attach_frames import print_frames
+def _plain_view(watched, every_s: float, print_frames: Callable[..., None]) -> View:
+    """Text frames on stdout (no terminal) until what is watched ends; told to stop, kvscope closes it first (ends
+    the command it started), so that the last frame shows how it ended."""
     from engine.watch.watcher import Watcher
 
-    watcher = Watcher.of(attached)
+    watcher = Watcher.of(watched)
 
     def show(stop: SignalStop, deadline: float | None) -> None:
         def done() -> bool:
-            if attached.finished:
+            if watched.finished:
                 return True
             if stop.due(deadline):
-                attached.close()
+                watched.close()
                 return True
             return False
 

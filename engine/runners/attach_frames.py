@@ -33,21 +33,33 @@ def print_frames(watcher: Watcher, out: TextIO, *, every_s: float, done: Callabl
                  events_per_frame: int = 12) -> int:
     """Write the legend, then a frame whenever the cache changed and `every_s` went by, until done() is
     true; then a last frame of what came since. Returns the frames written."""
-    out.write(LEGEND)
+    stats: ev.LogStats | None = None
+
+    def write(new: list[ev.Event], seconds: float) -> None:
+        nonlocal stats
+        stats = next((e for e in reversed(new) if isinstance(e, ev.LogStats)), stats)
+        write_frame(watcher, out, new, seconds=seconds, stats=stats, events_per_frame=events_per_frame)
+
+    return frame_loop(watcher, out, LEGEND, write, every_s=every_s, done=done)
+
+
+def frame_loop(watcher: Watcher, out: TextIO, legend: str, write: Callable[[list[ev.Event], float], None], *,
+               every_s: float, done: Callable[[], bool]) -> int:
+    """Write the legend, then write(the events since the last frame, seconds since the start) whenever events came
+    and `every_s` went by, until done() is true; then a last frame of what came since. Returns the frames written.
+    The loop of every text view without a terminal (a llama.cpp log's cells, KV event publishers' blocks)."""
+    out.write(legend)
     out.flush()
     started = time.monotonic()
     shown = 0  # the watcher's event count at the last frame
     frames = 0
     last_frame = -every_s
-    stats: ev.LogStats | None = None
     while True:
         finished = done()  # before the poll: the events that made it true are drawn
         watcher.poll()
         now = time.monotonic()
         if watcher.events > shown and (finished or now - last_frame >= every_s):
-            new = watcher.events_since(shown)
-            stats = next((e for e in reversed(new) if isinstance(e, ev.LogStats)), stats)
-            write_frame(watcher, out, new, seconds=now - started, stats=stats, events_per_frame=events_per_frame)
+            write(watcher.events_since(shown), now - started)
             shown, last_frame, frames = watcher.events, now, frames + 1
         if finished:
             return frames

@@ -10,11 +10,10 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import time
 from typing import Callable
 
 from engine.errors import KvscopeError
-from engine.runners.attach_command import SignalStop, View, _close_recording, _explorer_view, _wait
+from engine.runners.attach_command import check_watch_flags, watch_until_stopped
 
 # flags of `kvscope attach` that watch a llama.cpp, with what they are when not given
 LLAMA_CPP_FLAGS = (("--log", "log", None), ("--follow", "follow", False), ("--passthrough", "passthrough", None))
@@ -47,12 +46,7 @@ def run_kv_events_attach(args: argparse.Namespace, explorer_app: Callable[[], ty
     from engine.watch.kv_events.subscriber import KvEventSubscriber, parse_endpoint
 
     check_kv_event_flags(args)
-    if args.seconds is not None and not args.seconds > 0:
-        raise KvscopeError(f"attach: --seconds must be > 0, got {args.seconds}")
-    if not args.plain_every > 0:
-        raise KvscopeError(f"attach: --plain-every must be > 0, got {args.plain_every}")
-    if args.keyframe_every < 1:
-        raise KvscopeError(f"attach: --keyframe-every must be >= 1, got {args.keyframe_every}")
+    check_watch_flags(args)
     try:
         endpoints = [parse_endpoint(text) for text in args.vllm]
     except KvscopeError as e:
@@ -70,27 +64,16 @@ def run_kv_events_attach(args: argparse.Namespace, explorer_app: Callable[[], ty
     # Not started yet: the recording and the views subscribe first, and get every event from the first batch.
     subscriber = KvEventSubscriber(endpoints, topic=args.topic, vocabulary=vocabulary,
                                    capacity_blocks=args.capacity_blocks, start=False)
-    recorder = None
-    with SignalStop() as stop:
-        try:
-            if args.output:
-                recorder = _recorder(args, subscriber)
-                view: View = functools.partial(_wait, subscriber)
-            elif explorer is not None:
-                from engine.watch.sources import kv_events_source
+    from engine.runners.kv_events_frames import print_block_frames
+    from engine.watch.sources import kv_events_source
 
-                view = _explorer_view(explorer, kv_events_source(subscriber))
-            else:
-                view = _plain_view(subscriber, args.plain_every)
-            subscriber.start()
-            print(f"kvscope attach: {subscriber.status.message}"
-                  + (f" (topic {args.topic!r})" if args.topic else "")
-                  + (f", token texts of {vocabulary.model_name}" if vocabulary is not None else ""), file=sys.stderr)
-            view(stop, None if args.seconds is None else time.monotonic() + args.seconds)
-        finally:
-            subscriber.close()  # first: its last stats and status reach the recording
-            if recorder is not None:
-                _close_recording(recorder, keep=subscriber.started)
+    def say_started() -> None:
+        print(f"kvscope attach: {subscriber.status.message}" + (f" (topic {args.topic!r})" if args.topic else "")
+              + (f", token texts of {vocabulary.model_name}" if vocabulary is not None else ""), file=sys.stderr)
+
+    watch_until_stopped(args, subscriber, explorer, make_recorder=functools.partial(_recorder, args, subscriber),
+                        make_source=lambda: kv_events_source(subscriber), print_frames=print_block_frames,
+                        say_started=say_started)
     _say_how_it_ended(subscriber)
     if subscriber.error is not None:
         raise KvscopeError(subscriber.status.message)
@@ -107,27 +90,6 @@ def _recorder(args: argparse.Namespace, subscriber):
     recorder.attach(subscriber)
     recorder.start()
     return recorder
-
-
-def _plain_view(subscriber, every_s: float) -> View:
-    """Text frames on stdout (no terminal) until told to stop; the last frame shows the final counts."""
-    from engine.runners.kv_events_frames import print_block_frames
-    from engine.watch.watcher import Watcher
-
-    watcher = Watcher.of(subscriber)
-
-    def show(stop: SignalStop, deadline: float | None) -> None:
-        def done() -> bool:
-            if subscriber.finished:
-                return True
-            if stop.due(deadline):
-                subscriber.close()  # its last stats and status are then in the last frame
-                return True
-            return False
-
-        print_block_frames(watcher, sys.stdout, every_s=every_s, done=done)
-
-    return show
 
 
 def _say_how_it_ended(subscriber) -> None:

@@ -5,10 +5,10 @@ group) how many blocks it holds and how many it stored and evicted since the fra
 from __future__ import annotations
 
 import io
-import time
 from typing import Callable, TextIO
 
 from engine import events as ev
+from engine.runners.attach_frames import frame_loop
 from engine.watch.describe import describe_event
 from engine.watch.watcher import Watcher
 
@@ -31,24 +31,13 @@ def print_block_frames(watcher: Watcher, out: TextIO, *, every_s: float, done: C
                        events_per_frame: int = 12) -> int:
     """Write the legend, then a frame whenever the blocks changed and `every_s` went by, until done() is true;
     then a last frame of what came since. Returns the frames written."""
-    out.write(LEGEND)
-    out.flush()
-    started = time.monotonic()
-    shown = 0  # the watcher's event count at the last frame
-    frames = 0
-    last_frame = -every_s
     counts_before: dict[int, tuple[int, int]] = {}
-    while True:
-        finished = done()  # before the poll: the events that made it true are drawn
-        watcher.poll()
-        now = time.monotonic()
-        if watcher.events > shown and (finished or now - last_frame >= every_s):
-            write_block_frame(watcher, out, watcher.events_since(shown), seconds=now - started,
-                              counts_before=counts_before, events_per_frame=events_per_frame)
-            shown, last_frame, frames = watcher.events, now, frames + 1
-        if finished:
-            return frames
-        time.sleep(min(0.1, every_s))
+
+    def write(new: list[ev.Event], seconds: float) -> None:
+        write_block_frame(watcher, out, new, seconds=seconds, counts_before=counts_before,
+                          events_per_frame=events_per_frame)
+
+    return frame_loop(watcher, out, LEGEND, write, every_s=every_s, done=done)
 
 
 def write_block_frame(watcher: Watcher, out: TextIO, new: list[ev.Event], *, seconds: float,

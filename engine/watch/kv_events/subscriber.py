@@ -412,7 +412,7 @@ class _Publisher:
         return ev.KvEventStats(self.name, *self.figures())
 
 
-class KvEventSubscriber:
+class KvEventSubscriber(ev.WatchedBus):
     """The KV events of one or more vLLM / SGLang publishers, as kvscope events: see the module docstring."""
 
     kind = "kv-events"  # what a front-end asks to tell it from an attached llama.cpp log ("process", "file")
@@ -503,18 +503,7 @@ class KvEventSubscriber:
         sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         return sock
 
-    # ---- what a watcher reads -------------------------------------------------------------------------------
-    def subscribe(self, maxsize: int = 65536, kinds: tuple[type, ...] | None = None,
-                  with_state: bool = True) -> ev.Subscription:
-        """A watcher's (or a Recorder's) subscription: the picture so far first, then every event."""
-        with self._lock:
-            return self.bus.subscribe(maxsize, kinds, with_state)
-
-    def current_state(self) -> list[ev.Event]:
-        """The picture so far as events, stamped with the last event published before it."""
-        with self._lock:
-            return self.bus.current_state()
-
+    # ---- what a watcher reads: subscribe() and current_state(), from WatchedBus --------------------------------
     def _state_events(self) -> list[ev.Event]:
         with self._lock:
             if not self._started:
