@@ -241,7 +241,7 @@ class ContextCreated(Event):
 
 @dataclass(frozen=True, eq=False)
 class ModelPlaced(Event):
-    """Where a context's model weights live (llama_model::load_tensors, src/llama-model.cpp). weight_bytes: (device name, bytes) per
+    """Where a context's model weights live (llama_model_base::load_tensors, src/llama-model.cpp). weight_bytes: (device name, bytes) per
     device holding any weight, the input embedding included. layer_devices: each layer's device from
     -ngl (its residual stream and, unless -nkvo, K/V); overridden: (llama.cpp tensor name, device
     name) for weights an -ot pattern sent elsewhere. shared: the weights were already placed so by a live context."""

@@ -11,6 +11,7 @@ come from engine/watch, so both explorers read alike.
     grid = CellGrid.of(session)      # or one piece: a heatmap per cache stream
     bars = MemoryBars.of(session)    # weights / K/V / compute per device, and the layer map
     SwaWindow.of(session, seq=1)     # what seq 1's next token sees, position by position
+    MaskView.of(session, cache="base")  # the last ubatch's attention mask: its tokens x the cells
     EventLog.of(session)             # the latest events, filtered
     ServerView.of(session)           # a server workload's turns (reused / recomputed / new) and slots
     SessionLogPanel(session)         # the engine's log lines of a session run here, by level
@@ -26,11 +27,12 @@ from explorer.compare import Compare
 from explorer.event_log import EventLog
 from explorer.explorer import Explorer
 from explorer.grid import CellGrid
+from explorer.mask import MaskView
 from explorer.memory import MemoryBars
 from explorer.server import ServerView
 from explorer.session_log import SessionLogPanel
 from explorer.timeline import Timeline
 from explorer.window import SwaWindow
 
-__all__ = ["BlockViews", "CellGrid", "Compare", "EventLog", "Explorer", "MemoryBars", "ServerView", "SessionLogPanel",
-           "SwaWindow", "Timeline"]
+__all__ = ["BlockViews", "CellGrid", "Compare", "EventLog", "Explorer", "MaskView", "MemoryBars", "ServerView",
+           "SessionLogPanel", "SwaWindow", "Timeline"]

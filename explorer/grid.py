@@ -54,6 +54,14 @@ def band_colorscale(dark: bool = True) -> list[list]:
     return scale
 
 
+def as_gapped_rows(values: np.ndarray, columns: int) -> np.ndarray:
+    """Heatmap z as rows of `columns`: NaN (no value) and the last row's padding become None, a gap plotly draws
+    as nothing. Not NaN itself: a notebook sends a FigureWidget's data as strict JSON, which has no NaN, and
+    refuses the redraw ("Out of range float values are not JSON compliant")."""
+    rows = as_rows(np.asarray(values, dtype=float), columns, np.nan)
+    return np.where(np.isnan(rows), None, rows.astype(object))
+
+
 def as_rows(values: np.ndarray, columns: int, fill) -> np.ndarray:
     """A lane's per-cell values as rows of `columns`, the last row padded with `fill`."""
     rows = max(1, math.ceil(len(values) / columns))
@@ -66,12 +74,15 @@ class CellGrid(WatcherView):
     """The cell grids of a watcher's caches as a plotly figure; update() polls and redraws."""
 
     def __init__(self, watcher: Watcher, *, columns: int = 64, dark: bool = False, widget: bool = True,
-                 attention: bool = False, attention_layer: int | None = None) -> None:
+                 attention: bool = False, attention_layer: int | None = None,
+                 caches: tuple[str, ...] | None = None) -> None:
         """columns: cells per row; dark: colours for a dark page (JupyterLab's default theme is light);
         widget: a FigureWidget (live in a notebook) or a plain Figure (for export and tests); attention:
         lay the selected sequence's attention over the grid (attention_layer: one model layer's, None:
-        the mean over the layers of each cache)."""
+        the mean over the layers of each cache); caches: draw only these caches' lanes (None: every cache),
+        e.g. ("base",) where an iSWA pair with swa_full holds the same cells twice."""
         self.watcher, self.columns, self.dark = watcher, columns, dark
+        self.caches = None if caches is None else tuple(caches)
         # this grid's own marks (other views of the watcher keep theirs), from whichever watcher it shows now:
         # a timeline swaps in its replay's and back
         self._frames = FrameReader(lambda: self.watcher.frames)
@@ -113,6 +124,8 @@ class CellGrid(WatcherView):
         self.watcher.poll()
         new_attention = self._read_attention()
         frame = self._frames.frame()
+        if self.caches is not None:
+            frame = Frame(frame.seq_no, tuple(sf for sf in frame.streams if sf.cache in self.caches))
         lanes = tuple((sf.cache, sf.stream, sf.size) for sf in frame.streams)
         laid_out = lanes != self._lanes
         if laid_out:
@@ -196,7 +209,7 @@ class CellGrid(WatcherView):
             axes = dict(xaxis=f"x{k + 1}" if k else "x", yaxis=f"y{k + 1}" if k else "y")
             gap = 1 if sf.size <= GAPS_UP_TO_CELLS else 0
             self.figure.add_traces([
-                go.Heatmap(z=as_rows(colour_bands(sf.owner), self.columns, np.nan), zmin=-0.5, zmax=N_BANDS - 0.5,
+                go.Heatmap(z=as_gapped_rows(colour_bands(sf.owner), self.columns), zmin=-0.5, zmax=N_BANDS - 0.5,
                            colorscale=band_colorscale(self.dark), showscale=False, xgap=gap, ygap=gap,
                            # the cell index travels as numbers (sent once, in binary), the text only says what
                            # a cell holds: hover texts are most of what each redraw sends to the browser
@@ -240,10 +253,10 @@ class CellGrid(WatcherView):
     def _draw_lane(self, k: int, sf: StreamFrame, seen: SequenceVisibility | None) -> None:
         heatmap, attention, changed, dry_run, quirk, head, masked, unnamed = \
             self.figure.data[TRACES_PER_LANE * k:TRACES_PER_LANE * (k + 1)]
-        heatmap.z = as_rows(colour_bands(sf.owner), self.columns, np.nan)
+        heatmap.z = as_gapped_rows(colour_bands(sf.owner), self.columns)
         weights = self._weights(sf)
         # the square root, as the terminal explorer shades it: a few strong cells do not hide the rest
-        attention.z = as_rows(np.where(weights > 0, np.sqrt(weights / weights.max()), np.nan), self.columns, np.nan) \
+        attention.z = as_gapped_rows(np.where(weights > 0, np.sqrt(weights / weights.max()), np.nan), self.columns) \
             if weights is not None else None
         texts, renewed = self._hover_texts(sf)
         if renewed:

@@ -1,4 +1,4 @@
-"""Layer offload to a real CUDA GPU (llama.cpp's -ngl, llama_model::load_tensors in src/llama-model.cpp):
+"""Layer offload to a real CUDA GPU (llama.cpp's -ngl, llama_model_base::load_tensors in src/llama-model.cpp):
 the CUDA twins of tests/test_devices.py's virtual-device tests. A virtual device keeps every tensor in
 host memory, so only a real GPU shows that weights and K/V really move, that activations cross between
 torch devices correctly, and that the free-memory check reads the driver. Without CUDA every test here

@@ -1,6 +1,8 @@
 """The event log's words and filters (engine/watch/describe.py), shared by both front-ends."""
 from __future__ import annotations
 
+import numpy as np
+
 import engine
 from engine import events as ev
 from engine.batch import Batch
@@ -37,3 +39,16 @@ def test_a_k_shift_counts_its_layers_in_words():
     assert shift.n_layers == n and describe_event(shift).endswith(f"{n} layer{'s' if n != 1 else ''} re-rotated")
     one = ev.KShiftApplied(shift.cache, shift.changes, amounts=shift.amounts, n_layers=1)
     assert describe_event(one).endswith(" 1 layer re-rotated")
+
+
+def test_a_log_line_names_scattered_cells_as_runs_not_one_span():
+    """A ubatch placed in cells 10-15 and 24-25 read "cells 10-25 (8)", hiding the hole between the runs."""
+    from engine.watch.describe import cell_runs
+
+    assert cell_runs(np.array([10, 11, 12, 13, 14, 15, 24, 25])) == "10-15 24-25"
+    assert cell_runs(np.array([60, 61, 62, 63, 0, 1, 2, 3])) == "60-63 0-3"  # a wrap-around, in placement order
+    assert cell_runs(np.array([1, 3, 5, 7, 9])) == "1 3 5 +2 runs"
+    cells = np.array([10, 11, 12, 13, 14, 15, 24, 25])
+    change = ev.StreamCells(0, cells, cells + 100, np.zeros(8, dtype=np.int64), np.zeros((8, 32), dtype=np.uint8), 26)
+    event = ev.CellsAllocated("base", (change,), ubatch=0, n_tokens=8)
+    assert "s0 cells 10-15 24-25 (8)" in describe_event(event)

@@ -1,4 +1,4 @@
-"""Devices and layer placement (llama.cpp's `llama_model::load_tensors`): offload rules, log lines, virtual
+"""Devices and layer placement (llama.cpp's `llama_model_base::load_tensors`): offload rules, log lines, virtual
 devices."""
 from __future__ import annotations
 

@@ -141,7 +141,7 @@ def test_the_window_override_the_pages_give_names_the_demo_models_key():
     metadata = read_gguf_metadata(ROOT / "engine" / "models" / "demo" / "kvscope-demo-gemma3.gguf")
     key = f"{metadata['general.architecture']}.attention.sliding_window"
     assert metadata[key] == 64
-    for page in (DOC, README, ROOT / "notebooks" / "06-debugging-stories.ipynb"):
+    for page in (DOC, README, ROOT / "notebooks" / "07-debugging-stories.ipynb"):
         assert f"--override-kv {key}=int:" in page.read_text(encoding="utf-8"), page.name
 
 

@@ -164,3 +164,28 @@ def test_an_update_with_nothing_new_sends_nothing(session):
     session.step(1).result()
     grid.update()
     assert drawn
+
+
+def test_a_grid_of_one_cache_draws_only_its_lanes(session):
+    """caches=("base",): with swa_full the pair holds the same cells, and a lesson shows them once."""
+    grid = CellGrid.of(session, columns=32, widget=False, caches=("base",))
+    session.add_prompt("And God said unto Moses").result()
+    session.step(6).result()
+    frame = grid.update()
+    assert [lane[0] for lane in grid._lanes] == ["base"] and [sf.cache for sf in frame.streams] == ["base"]
+    assert len(grid.figure.layout.annotations) == 1  # one lane title
+    assert_grid_is_the_engine(grid, session)
+
+
+def test_a_lane_that_does_not_fill_its_last_row_sends_strict_json(session):
+    """A notebook sends a FigureWidget's data as strict JSON: a NaN in z (the padding after the last cell, or a
+    cell without attention) made it refuse the redraw, so gaps are None."""
+    import json
+
+    grid = CellGrid.of(session, columns=48, widget=False, caches=("base",))  # 256 cells: the last row is partial
+    session.add_prompt("And God said unto Moses").result()
+    session.step(3).result()
+    grid.update()
+    z = np.array(grid.trace(0, CELLS).z, dtype=object).ravel()
+    assert z[-1] is None and sum(v is None for v in z) == 6 * 48 - 256
+    json.dumps(z.tolist(), allow_nan=False)

@@ -19,7 +19,7 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("
 
 
 def test_there_are_notebooks() -> None:
-    assert len(NOTEBOOKS) >= 7, [p.name for p in NOTEBOOKS]
+    assert len(NOTEBOOKS) >= 8, [p.name for p in NOTEBOOKS]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
@@ -34,6 +34,57 @@ def test_notebook_is_stored_stripped_and_valid(path: Path) -> None:
     headings = [line for cell in notebook.cells if cell.cell_type == "markdown" for line in cell.source.splitlines()
                 if line.startswith("#")]
     assert any("Exercises" in line for line in headings), f"{path.name} has no Exercises section"
+
+
+VISIBLE_LINES = 10  # a visible code cell's most lines (blank ones aside): the idea, not its plumbing
+
+
+def hidden(cell) -> bool:
+    """A cell JupyterLab shows collapsed (plumbing a reader may open, but need not read)."""
+    return bool(cell.metadata.get("jupyter", {}).get("source_hidden"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_a_newcomer_reads_short_cells_and_checkable_exercises(path: Path) -> None:
+    """Visible code cells are a few lines: checks and plumbing live in kvscope.lessons or in collapsed cells.
+    The exercises can be checked (lessons.check), and a cell that only sets things up is not most of them."""
+    notebook = nbformat.read(path, as_version=4)
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    long = [cell.source.splitlines()[0] for cell in code if not hidden(cell)
+            and sum(1 for line in cell.source.splitlines() if line.strip()) > VISIBLE_LINES]
+    assert not long, f"{path.name}: visible code cells longer than {VISIBLE_LINES} lines, starting {long}"
+    assert any("from kvscope import lessons" in cell.source for cell in code), f"{path.name} does not use kvscope.lessons"
+    exercises = next(k for k, cell in enumerate(notebook.cells)
+                     if cell.cell_type == "markdown" and "# Exercises" in cell.source)
+    assert any("lessons.check(" in cell.source for cell in notebook.cells[exercises:] if cell.cell_type == "code"), \
+        f"{path.name}: no exercise a reader can check (lessons.check)"
+
+
+# What a reader must never be left to decode: Python's own reprs of the engine's records.
+RAW_REPRS = re.compile(r"frozenset\(|np\.(int|float)\d*\(|array\(\[|<engine\.|\bStreamCells\(|\bCellsChanged\(")
+
+
+def said(output) -> bool:
+    """An output that puts what was seen into words: lessons.say / picture / check (Markdown or HTML)."""
+    data = output.get("data", {})
+    return any(kind in data for kind in ("text/markdown", "text/html", "image/png"))
+
+
+def check_outputs_are_explained(path: Path, notebook: nbformat.NotebookNode) -> None:
+    """Every output is followed by words: the cell says what it showed (lessons.say), or the next cell is prose."""
+    cells = notebook.cells
+    bare = []
+    for k, cell in enumerate(cells):
+        if cell.cell_type != "code" or not cell.outputs:
+            continue
+        for output in cell.outputs:
+            text = output.get("text", "") or "".join(str(v) for key, v in output.get("data", {}).items()
+                                                      if key == "text/plain")
+            assert not RAW_REPRS.search(text), f"{path.name}: a raw repr in the output of {cell.source[:60]!r}: {text[:200]!r}"
+        next_is_prose = k + 1 < len(cells) and cells[k + 1].cell_type == "markdown"
+        if not (said(cell.outputs[-1]) or next_is_prose):
+            bare.append(cell.source.splitlines()[0])
+    assert not bare, f"{path.name}: outputs with no words after them (end the cell with lessons.say): {bare}"
 
 
 def execute(notebook: nbformat.NotebookNode, folder: Path) -> None:
@@ -51,18 +102,21 @@ def test_notebook_runs_top_to_bottom(path: Path, tmp_path: Path) -> None:
     print(f"{path.name}: {time.monotonic() - t0:.1f} s")
     errors = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs if o.output_type == "error"]
     assert not errors
+    check_outputs_are_explained(path, notebook)
     written = sorted(p.name for p in tmp_path.iterdir())
     assert not written, f"{path.name} wrote {written} into the folder it runs in: write into a temporary folder"
 
 
-# Every interval that code in the notebook times (functions its cells define included) lasts exactly 1 ms; the
-# engine's own timing, which reads the clock from its modules, keeps the real one.
+# Every interval that code in the notebook times (functions its cells define included, and its lesson module in
+# kvscope.lessons) lasts exactly 1 ms; the engine's own timing, which reads the clock from its modules, keeps the
+# real one.
 EQUAL_CLOCK = """\
 import sys, time
 _clock_reads = [0]
 def _equal_clock(real, reads=_clock_reads, frame=sys._getframe):  # no globals: the engine reads it at exit too
     def clock():
-        if frame(1).f_globals.get("__name__") != "__main__":
+        caller = frame(1).f_globals.get("__name__") or ""
+        if caller != "__main__" and not caller.startswith("kvscope.lessons"):
             return real()
         reads[0] += 1
         return reads[0] * 1e-3
@@ -70,7 +124,19 @@ def _equal_clock(real, reads=_clock_reads, frame=sys._getframe):  # no globals: 
 time.perf_counter, time.monotonic, time.time = (_equal_clock(f) for f in (time.perf_counter, time.monotonic, time.time))
 """
 CLOCK_READS = re.compile(r"\btime\.(perf_counter|monotonic|time)\(")
-TIMING_NOTEBOOKS = [p for p in NOTEBOOKS if CLOCK_READS.search(p.read_text(encoding="utf-8"))]
+LESSONS = Path(__file__).resolve().parent.parent / "kvscope" / "lessons"
+LESSON_MODULE = re.compile(r"kvscope\.lessons\.(\w+)|from kvscope\.lessons import ([\w, ]+)|\blessons\.(\w+)\.")
+
+
+def times_something(notebook: Path) -> bool:
+    """The notebook reads the clock, itself or through a lesson module it uses."""
+    text = notebook.read_text(encoding="utf-8")
+    names = {name.strip() for match in LESSON_MODULE.findall(text) for group in match for name in group.split(",")}
+    modules = [LESSONS / f"{name}.py" for name in names if name and (LESSONS / f"{name}.py").exists()]
+    return any(CLOCK_READS.search(source) for source in [text, *(m.read_text(encoding="utf-8") for m in modules)])
+
+
+TIMING_NOTEBOOKS = [p for p in NOTEBOOKS if times_something(p)]
 
 
 def test_the_clock_check_finds_the_notebooks_that_time() -> None:

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [README, *DOCS]
+LESSON_COPIES = sorted((ROOT / "docs" / "lessons").glob("*.md"))  # the notebooks rendered by tools/render_lessons.py
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
@@ -29,7 +30,7 @@ def slugs(path: Path) -> set[str]:
     return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
 
 
-@pytest.mark.parametrize("page", PAGES, ids=rel)
+@pytest.mark.parametrize("page", PAGES + LESSON_COPIES, ids=rel)
 def test_relative_links_lead_to_files_and_headings_that_exist(page: Path) -> None:
     broken = []
     for target in LINK.findall(page.read_text(encoding="utf-8")):

@@ -1,5 +1,5 @@
 """`-ot REGEX=DEVICE`: weights overridden onto other devices (llama.cpp's --override-tensor, applied in
-llama_model::load_tensors, src/llama-model.cpp), their accounting, the activation copies they cost, and
+llama_model_base::load_tensors, src/llama-model.cpp), their accounting, the activation copies they cost, and
 the refusals."""
 from __future__ import annotations
 

@@ -36,6 +36,7 @@ from tui.fit import FittedLine, Part
 from tui.grid import CellGrid
 from tui.inspector import CellInspector
 from tui.keys import ATTACHED_KEYS, BLOCK_KEYS, REPLAY_KEYS, SESSION_KEYS, KeyBar
+from tui.mask import MaskScreen
 from tui.screens import HelpScreen, PromptScreen, SettingsScreen
 from tui.slots import SlotsPanel
 from tui.status import StatusLine
@@ -54,7 +55,8 @@ ONLY_WATCHES = ("kvscope only watches an attached llama.cpp process: it cannot s
 EXIT_LINES_NOTIFIED = 4  # of a process that ended: its last lines in the notification (the event log has more)
 # vLLM / SGLang workers watched from their KV events: the block views replace the cell grid, and what only the cells
 # have (the window and attention overlays, zoom, the event log's filters) is off
-CELL_ONLY_ACTIONS = frozenset({"toggle_window", "toggle_attention", "zoom", "log_group", "log_seq", "log_cache"})
+CELL_ONLY_ACTIONS = frozenset({"toggle_window", "toggle_attention", "zoom", "log_group", "log_seq", "log_cache",
+                               "show_mask"})
 ONLY_WATCHES_BLOCKS = ("kvscope only watches the workers' KV events: it cannot step, pause, prompt or change them "
                        "(? lists the keys that work)")
 # The block views are worked out on a thread (laying the lanes out sorts every block held; the tree and the
@@ -100,6 +102,7 @@ class KvscopeApp(App):
         Binding("tab", "next_seq(1)", "next seq", priority=True),
         Binding("shift+tab", "next_seq(-1)", show=False, priority=True),
         Binding("w", "toggle_window", "window"),
+        Binding("m", "show_mask", "mask"),
         Binding("a", "toggle_attention", "attention", show=False),
         Binding("plus,equals_sign", "zoom(-1)", "zoom in", show=False),
         Binding("minus", "zoom(1)", "zoom out", show=False),
@@ -584,6 +587,10 @@ class KvscopeApp(App):
             self.notify("no attention events yet: start the session with publish_attention on "
                         "(kvscope tui --attention)", severity="warning")
         self._draw([])
+
+    def action_show_mask(self) -> None:
+        """The last ubatch's attention mask: its tokens x the cells (tui/mask.py)."""
+        self.push_screen(MaskScreen(lambda: self.watcher))
 
     def action_zoom(self, direction: int) -> None:
         grid = self._view(CellGrid)

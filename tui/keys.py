@@ -41,6 +41,7 @@ SESSION_KEYS = (
     KeyHint("p", "prompt", "prompt", ("p",), 4),
     KeyHint("tab", "next seq", "next_seq(1)", ("tab",), 3),
     KeyHint("w", "window", "toggle_window", ("w",), 7),
+    KeyHint("m", "mask", "show_mask", ("m",), 8),
     KeyHint("o", "settings", "settings", ("o",), 6),
     KeyHint("^p", "commands", "command_palette", ("ctrl+p",), 5),
     HELP,
@@ -53,6 +54,7 @@ REPLAY_KEYS = (
     KeyHint("0-9", "seek", None, tuple(str(d) for d in range(10)), 4),
     KeyHint("j J", "next/prev of kind", None, ("j", "J"), 6),
     KeyHint("tab", "next seq", "next_seq(1)", ("tab",), 3),
+    KeyHint("m", "mask", "show_mask", ("m",), 7),
     HELP,
     QUIT,
 )

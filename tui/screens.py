@@ -113,6 +113,7 @@ def help_text(dark: bool, replay: bool, attached: bool = False) -> Group:
         ("[ ]", "the lane before / after"),
         ("tab shift+tab", "the next / previous sequence: its window and attention are shown"),
         ("w a", "the window overlay, the attention overlay: on / off"),
+        ("m", "the last ubatch's attention mask: its tokens x the cells, as the kernel masks them"),
         ("+ -", "zoom in / out"),
         ("x k y s", "the selected sequence: remove it, keep only it, copy it, shift it (a context shift)"),
         ("o", "settings: rebuild the context, with the memory it would take shown first"),
@@ -128,6 +129,7 @@ def help_text(dark: bool, replay: bool, attached: bool = False) -> Group:
         ("home end 0-9", "the start, the end, a tenth of the way"),
         ("j J", "the next / previous event of the kinds the log shows (f g c)"),
         ("tab, arrows", "the selected sequence and the cursor, as in a session"),
+        ("m", "the attention mask of the last ubatch replayed so far"),
     ])
     attached_keys = Rows([
         ("arrows, mouse", "the cell under the cursor, explained beside the grid"),

@@ -32,7 +32,9 @@ POS_INF = np.iinfo(np.int64).max
 
 # The texts the events carry for llama.cpp behaviour that looks unintended; views show them as is.
 QUIRK_DRY_RUN_PURGE = ("llama.cpp QUIRK (src/llama-kv-cache.cpp, llama_kv_cache::prepare): the SWA purge of a "
-                       "dry run is not rolled back, even when the decode then fails")
+                       "dry run is not rolled back outside the ubatches' own cells, even when the decode then "
+                       "fails; with several ubatches, a later one's purge can remove positions an earlier "
+                       "one's tokens still see")
 QUIRK_DIV_SHIFT = ("llama.cpp QUIRK (src/llama-kv-cells.h, llama_kv_cells::pos_div): seq_div accumulates "
                    "old - new as the shift, so the next K-shift turns the keys away from the new positions")
 QUIRK_DRY_RUN_HEADS = ("llama.cpp QUIRK (src/llama-kv-cache.cpp, llama_kv_cache::prepare): the dry run restores "

@@ -358,7 +358,7 @@ class Transformer:
 
         return [reorder(q, cfg.n_head), reorder(k, cfg.n_head_kv), v]
 
-    # ---- placement (src/llama-model.cpp llama_model::load_tensors) ---------------------------------
+    # ---- placement (src/llama-model.cpp llama_model_base::load_tensors) ---------------------------------
     @staticmethod
     def _nbytes(tensors) -> int:
         return sum(weight_nbytes(t) for t in tensors if t is not None)

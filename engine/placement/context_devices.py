@@ -1,5 +1,5 @@
 """Where a context's weights, K/V and compute buffers live, and how many bytes each device gets (as
-llama.cpp's `llama_model::load_tensors` places layers, src/llama-model.cpp, and `llama_kv_cache`'s
+llama.cpp's `llama_model_base::load_tensors` places layers, src/llama-model.cpp, and `llama_kv_cache`'s
 constructor sizes K/V buffers, src/llama-kv-cache.cpp): planned from the settings, checked against every
 device's free memory before anything is reserved or moved, then committed (weights placed, virtual
 ledgers reserved).

@@ -60,7 +60,7 @@ def reserve_until_collected(owner, bytes_by_device: dict[Device, int], what: str
 
 
 class WeightPlacement:
-    """A model's weights placed on devices (as `llama_model::load_tensors` places them), shared by every
+    """A model's weights placed on devices (as `llama_model_base::load_tensors` places them), shared by every
     context that asks for the same placement: weights exist once per model. Virtual devices account the
     weight bytes until the last such context is garbage collected; then the weights go back to the CPU."""
 

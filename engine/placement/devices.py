@@ -1,4 +1,4 @@
-"""Devices and per-layer placement, as llama.cpp's model loader decides them (`llama_model::load_tensors`
+"""Devices and per-layer placement, as llama.cpp's model loader decides them (`llama_model_base::load_tensors`
 in src/llama-model.cpp: the last -ngl layers, the output layer counting as one, split by -ts).
 
 A Device is either real (the CPU, a CUDA GPU, an Apple MPS GPU) or *virtual*: a named pretend GPU whose

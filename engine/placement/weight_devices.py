@@ -1,5 +1,5 @@
 """Which device holds each weight: the layer placement of -ngl, then `-ot REGEX=DEVICE` overrides
-(llama.cpp's tensor_buft_overrides, applied in `llama_model::load_tensors`, src/llama-model.cpp).
+(llama.cpp's tensor_buft_overrides, applied in `llama_model_base::load_tensors`, src/llama-model.cpp).
 
 Overrides are matched against llama.cpp's tensor names ("blk.3.ffn_down.weight", "output.weight"),
 whatever file the model came from, with a regex *search*; the first pattern that matches decides.

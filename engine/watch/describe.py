@@ -42,14 +42,28 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
+RUNS_SHOWN = 3  # runs of cells a log line names before "+N runs": scattered placements stay readable
+
+
+def cell_runs(cells: np.ndarray) -> str:
+    """Cells in their order as runs of neighbours: '10-15 24-25', '60-63 0-3' (a wrap-around), never one span
+    over the gap between runs, which would hide that the cells are scattered."""
+    cells = np.asarray(cells, dtype=np.int64)
+    breaks = np.flatnonzero(np.diff(cells) != 1) + 1
+    runs = [(int(run[0]), int(run[-1])) for run in np.split(cells, breaks)]
+    named = [f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:RUNS_SHOWN]]
+    if len(runs) > RUNS_SHOWN:
+        named.append(f"+{len(runs) - RUNS_SHOWN} runs")
+    return " ".join(named)
+
+
 def _cells(event: ev.CellsChanged) -> str:
     parts = []
     for c in event.changes:
         cells = c.cells
         if len(cells) == 0:
             continue
-        span = f"{cells[0]}" if len(cells) == 1 else f"{cells.min()}-{cells.max()}"
-        parts.append(f"s{c.stream} cells {span}" + (f" ({len(cells)})" if len(cells) > 2 else ""))
+        parts.append(f"s{c.stream} cells {cell_runs(cells)}" + (f" ({len(cells)})" if len(cells) > 2 else ""))
     return ", ".join(parts) or "no cell"
 
 

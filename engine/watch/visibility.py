@@ -27,7 +27,10 @@ never reads another stream for that sequence's token, so other streams are left 
 The cells are the state before the token is decoded. The kernel's row for that token also holds
 the token's own cell, placed by the decode itself (a free cell, or one whose only sequence's window
 has passed it: MASKED or OTHER), so the kernel attends to exactly the ATTENDED cells plus one; the
-SWA purge that comes with such a reuse (llama_kv_cache::apply_ubatch) removes only masked positions.
+SWA purge that comes with such a reuse (llama_kv_cache::apply_ubatch) removes only positions masked for
+that token. (Not so in the dry run of a batch of several ubatches: a later ubatch is judged against the
+positions the earlier ones placed, so its purge can remove positions their tokens still see; a QUIRK,
+engine/kv/cache.py QUIRK_DRY_RUN_PURGE.)
 Every ATTENDED cell stays used, and the kernel's n_kv (KVCache.n_kv) covers every used cell, so the
 padded tail of the mask never hides one.
 
