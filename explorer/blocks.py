@@ -318,7 +318,7 @@ class PrefixTree(BlockView):
             root = node.hash
         else:
             label = bv.tokens_text(node.block.token_ids, vocabulary)
-            root = node.block.root
+            root = bv.colour_key(mirror, node.hash, node.block.root)
         hover = hover_text(bv.describe_block(mirror, worker, node.hash, vocabulary))
         return html.escape(label), hover, bv.prefix_color(root, self.dark)
 

@@ -236,7 +236,11 @@ def test_the_prefix_tree_collapses_chains_and_names_branches():
     assert [l.text for l in lines] == ["3 blocks 'You are a helpful'  +3 in 2 branches",
                                        "  2 blocks ' the LORD said unto'", "  1 block ' def f():'"]
     root = chain(SYSTEM)[0]
-    assert all(l.root == root and l.worker == 1 for l in lines)
+    # each line in its branch's colour, as the lane colours the same blocks: the prompt, then each conversation
+    branches = [root, chain(CONVERSATION_A)[3], chain(CONVERSATION_B)[3]]
+    assert [l.root for l in lines] == branches and all(l.worker == 1 for l in lines)
+    lane = bv.block_lane(mirror, 1)
+    assert [lane.roots[lane.hashes.index(l.block)] for l in lines] == branches
     assert lines[1].block == chain(CONVERSATION_A)[3]
     # without a vocabulary, ids; and a tree cut short says what did not fit
     assert bv.tree_lines(mirror, 1, max_lines=2) == [

@@ -224,7 +224,9 @@ def test_the_icicle_is_the_mirrors_prefix_tree_with_chains_collapsed():
     icicle = view.figure.data[0]
     k = list(icicle.ids).index(f"0/{a[3].hex()}")
     assert sentence(icicle.hovertext[k]) == bv.describe_block(mirror, 0, a[3], VOCABULARY)
-    assert icicle.marker.colors[k] == bv.prefix_color(a[0], dark=False)
+    # in its branch's colour, as the lanes colour its blocks: the conversation below the shared system prompt
+    assert icicle.marker.colors[k] == bv.prefix_color(a[3], dark=False) != bv.prefix_color(a[0], dark=False)
+    assert icicle.marker.colors[list(icicle.ids).index(f"0/{a[0].hex()}")] == bv.prefix_color(a[0], dark=False)
     assert view.left_out == (0, 0) and "not drawn" not in view.figure.layout.title.text
 
 

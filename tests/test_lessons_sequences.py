@@ -45,7 +45,7 @@ def test_a_batch_of_prompts_starts_each_sequence_at_position_zero_and_fills_a_un
     assert ctx.decode(batch) == 0
     lesson.check_in_batch_order(ctx, batch)
     assert lesson.stream_maps(ctx) == "stream 0: " + "00001111" + "." * 56 + "  (8/64 used, head 8)"
-    assert lesson.positions_words(ctx, range(2)) == "seq 0 0-3, seq 1 0-3"
+    assert lesson.positions_words(ctx, range(2)) == "seq 0 at positions 0-3, seq 1 at positions 0-3"
     ctx.memory.seq_rm(0, -1, -1)
     with pytest.raises(AssertionError):
         lesson.check_in_batch_order(ctx, batch)

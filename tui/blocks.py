@@ -360,7 +360,7 @@ class BlockInspector(TextPanel):
         # said in the title too: a narrow inspector may cut the sentence before its end, where the eviction is
         self.border_title = f"block {hash_text(block)} · worker {lane.worker}" + (" · evicted" if gone else "")
         if held is not None:
-            text.append(SWATCH, style=bv.prefix_color(held.root, dark))
+            text.append(SWATCH, style=bv.prefix_color(bv.colour_key(mirror, block, held.root), dark))
         text.append(bv.describe_block(mirror, lane.worker, block, vocabulary))
         self.show(text)
 

@@ -100,6 +100,13 @@ def known_block(mirror: BlockMirror, block_hash: bytes, worker: int | None = Non
     return None
 
 
+def colour_key(mirror: BlockMirror, block_hash: bytes, root: bytes | None) -> bytes | None:
+    """What a block is coloured by, everywhere a view colours one: its branch (BlockMirror.branch_heads: the
+    prompt, then each conversation) while some worker holds it, as the lanes colour it; its chain start once
+    none does (an evicted block, which no lane shows)."""
+    return mirror.branch_heads().get(block_hash, root)
+
+
 def prefix_name(mirror: BlockMirror, root: bytes | None, vocabulary=None, max_chars: int = TEXT_CHARS) -> str:
     """How a prefix is named: its first block's text in quotes, else (no vocabulary, or its first block is not
     known: a chain whose start was never seen) its hash, "0x3f2a"."""
@@ -442,7 +449,7 @@ def tree_lines(mirror: BlockMirror, worker: int, vocabulary=None, max_lines: int
         if level > TREE_INDENT_LEVELS:
             indent += f"[{level}] "
         root = node.block.root if node.block is not None else node.hash
-        lines.append(Line(indent + text, root, worker, node.hash))
+        lines.append(Line(indent + text, colour_key(mirror, node.hash, root), worker, node.hash))
         own_blocks.append(node.n_blocks - sum(c.n_blocks for c in last.children))
         stack.extend((level + 1, c) for c in reversed(last.children))
     if stack:

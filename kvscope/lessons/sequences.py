@@ -132,7 +132,7 @@ def stream_maps(ctx) -> str:
 def positions_words(ctx, seqs) -> str:
     """Which positions each sequence holds, in words."""
     mem = ctx.memory
-    return ", ".join(f"seq {s} {mem.seq_pos_min(s)}-{mem.seq_pos_max(s)}" for s in seqs)
+    return ", ".join(f"seq {s} at positions {mem.seq_pos_min(s)}-{mem.seq_pos_max(s)}" for s in seqs)
 
 
 def used_cells(ctx) -> int:
