@@ -49,6 +49,7 @@ from explorer.blocks import BlockViews, stats_html
 from explorer.controls import SessionControls
 from explorer.event_log import EventLog
 from explorer.grid import CellGrid
+from explorer.mask import MaskView
 from explorer.memory import MemoryBars
 from explorer.pacing import RedrawPacer
 from explorer.server import ServerView
@@ -155,7 +156,7 @@ class Explorer(Shown):
         self.log = EventLog(watcher, dark=dark)
         self.server = ServerView(watcher, dark=dark)
         # a deployment's workers hold hashed blocks, not cells: no grid, window or memory bars to draw for them
-        self.grid = self.window = self.bars = self.blocks = None
+        self.grid = self.window = self.bars = self.blocks = self.mask = None
         if self.kv_events:
             self.blocks = BlockViews(watcher, columns=columns, dark=dark, status_line=False)  # the explorer's says it
             self.views = [self.blocks, self.log, self.server]
@@ -163,6 +164,8 @@ class Explorer(Shown):
             self.grid = CellGrid(watcher, columns=columns, dark=dark, attention=attention)
             self.window = SwaWindow(watcher, dark=dark)
             self.bars = MemoryBars(watcher)
+            # drawn only while its panel is open: a mask is the last ubatch's tokens x every cell up to n_kv
+            self.mask = MaskView(watcher, dark=dark)
             self.views = [self.grid, self.window, self.bars, self.log, self.server]
         # the engine's own lines, kept by a session run here (a remote one's stay on its server)
         self.session_log = SessionLogPanel(self.session) if self.local else None
@@ -283,13 +286,36 @@ class Explorer(Shown):
             accordion.selected_index = None
             parts.append(accordion)
         self.server.widget.layout.display = "none"  # until the source runs a server
-        parts += [selection, main, self.server.widget]
+        parts += [selection, main]
+        if self.mask is not None:
+            parts.append(self._mask_panel())
+        parts.append(self.server.widget)
         if self.timeline is not None:
             parts.append(self.timeline.widget)
         parts.append(self.log.widget)
         if self.session_log is not None:
             parts.append(self.session_log.widget)
         return widgets.VBox(parts)
+
+    def _mask_panel(self) -> widgets.Widget:
+        """The attention mask of the last ubatch (the terminal explorer's `m`), folded until opened, with the
+        cache it shows."""
+        self.mask_cache = widgets.Dropdown(options=["base"], value="base", description="cache",
+                                           layout=widgets.Layout(width="160px"), style={"description_width": "40px"})
+        observe_value(self.mask_cache, lambda cache: self._later(lambda: self.mask.select(cache)))
+        self.mask_panel = widgets.Accordion(children=[widgets.VBox([self.mask_cache, self.mask.widget])])
+        self.mask_panel.set_title(0, "attention mask of the last ubatch (its tokens x the cells)")
+        self.mask_panel.selected_index = None
+        self.mask_panel.observe(lambda change: self._later(self._update_mask) if change["new"] == 0 else None,
+                                names="selected_index")
+        return self.mask_panel
+
+    def _update_mask(self) -> None:
+        """Redraw the mask if its panel is open (the caches it may show follow the source's)."""
+        if self.mask is None or self.mask_panel.selected_index != 0:
+            return
+        replace_options(self.mask_cache, list(self.mask.watcher.mirror.caches) or ["base"])
+        self.mask.select(self.mask_cache.value)
 
     # ---- drawing ------------------------------------------------------------------------------------
     def update(self) -> None:
@@ -313,6 +339,7 @@ class Explorer(Shown):
             self._read_steps(watcher)
             for view in self.views:
                 view.update()
+            self._update_mask()
             if self.timeline is not None:
                 self.timeline.follow_live()
         if self.session_log is not None:

@@ -485,3 +485,23 @@ def test_views_slower_than_the_cadence_redraw_less_often_and_say_so():
         assert x.pacer.skipped == 1 and "1 tick skipped" in x.status.value
     finally:
         x.close()
+
+
+def test_the_mask_panel_draws_the_last_ubatch_only_while_open(explorer):
+    """The terminal explorer's `m`, folded in the notebook: opened, it draws the last ubatch's mask in the cache
+    chosen, as engine.watch.attention_mask computes it; closed, it costs no redraw."""
+    from engine.watch.attention_mask import last_ubatch_mask
+
+    x = explorer
+    x.controls.n_steps.value = 3
+    x.controls.step.click()
+    assert x.mask_panel.selected_index is None and x.mask.mask is None  # folded: not drawn after the steps
+    x.mask_panel.selected_index = 0
+    expected = last_ubatch_mask(x.mask.watcher, "base")
+    assert expected is not None and x.mask.mask is not None
+    assert (x.mask.mask.allowed == expected.allowed).all() and x.mask.mask.cache == "base"
+    assert list(x.mask_cache.options) == ["base", "swa"]
+    x.mask_cache.value = "swa"
+    assert x.mask.mask.cache == "swa" and x.mask.mask.n_swa == 16
+    x.controls.step.click()
+    assert x.mask.mask.ubatch >= 0 and (x.mask.mask.allowed == last_ubatch_mask(x.mask.watcher, "swa").allowed).all()

@@ -50,6 +50,9 @@ SHOWN_IN_REPLAY_LOG = 50
 # The actions that need a session to command (and the attention overlay, which a log has no weights for), and
 # what pressing one says when a llama.cpp process is only watched
 SESSION_ACTIONS = frozenset({"toggle_run", "step", "prompt", "seq_op", "settings", "record", "toggle_attention"})
+# What a llama.cpp log cannot draw: its cell dumps tell positions and sequences, not the ubatch a decode placed
+# (tokens, their order, who shares an 'M' cell), so the mask of the last ubatch is left out when attached
+NEEDS_UBATCHES = frozenset({"show_mask"})
 ONLY_WATCHES = ("kvscope only watches an attached llama.cpp process: it cannot step, pause, prompt or change it "
                 "(? lists the keys that work)")
 EXIT_LINES_NOTIFIED = 4  # of a process that ended: its last lines in the notification (the event log has more)
@@ -226,7 +229,7 @@ class KvscopeApp(App):
         its keys panel and runs nothing (on_key says why)."""
         if self.blocks_mode and action in CELL_ONLY_ACTIONS:
             return False
-        return not (self.attached and action in SESSION_ACTIONS)
+        return not (self.attached and (action in SESSION_ACTIONS or action in NEEDS_UBATCHES))
 
     def on_key(self, event: Key) -> None:
         if self.attached and _KEY_ACTIONS.get(event.key) in SESSION_ACTIONS:

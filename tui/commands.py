@@ -30,7 +30,7 @@ class SequenceCommands(ListedCommands):
         session = app.source.session if app.source.live else None
         seq = app.selected_seq
         out = [("help: what the glyphs and colours mean", "the legend and every key", app.action_help)]
-        if not app.blocks_mode:
+        if not (app.blocks_mode or app.attached):  # a log or KV events tell no ubatch (tui/app.py NEEDS_UBATCHES)
             out.append(("mask: the last ubatch's attention mask",
                         "its tokens x the cells, as the kernel masks them (m)", app.action_show_mask))
         if session is None:
