@@ -446,8 +446,12 @@ def test_a_session_sets_torch_threads_when_asked_and_refuses_a_bad_count(monkeyp
 
     before = torch.get_num_threads()
     try:
+        torch.set_num_threads(2)
         with Session("demo", settings=dict(n_ctx=256), threaded=False, threads=1):
             assert torch.get_num_threads() == 1
+        # closed, it gives the process back the count it found: a lesson's one-thread session once left every
+        # later context of the process estimating its compute buffer for one thread
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
     with pytest.raises(KvscopeError, match="threads must be >= 1, got 0"):

@@ -80,8 +80,9 @@ class Session:
                  workload: str | WorkloadSpec = "idle", threaded: bool = True, steps_per_second: float = 0.0,
                  bus: ev.EventBus | None = None, dtype: str = "f32", threads: int | None = None,
                  verbose: bool = False, log_level: str = "info") -> None:
-        """threads: torch's compute threads for the whole process (None: torch's own choice); a front-end
-        that shares the process leaves a core to itself (engine/runners/launch.py).
+        """threads: torch's compute threads for the whole process while the session is open (None: torch's
+        own choice; close() gives back the count it found); a front-end that shares the process leaves a core
+        to itself (engine/runners/launch.py).
         What the engine logs while it works for this session (llama.cpp's lines: "context full, swapping:
         ...") is kept in `self.log` (a SessionLog: lines of log_level and above) instead of being written on
         stderr from the worker, into whatever a notebook shows at the time; verbose: print them on stderr
@@ -90,6 +91,7 @@ class Session:
         if threads is not None and threads < 1:
             raise KvscopeError(f"Session: threads must be >= 1, got {threads}")
         self._threads = threads
+        self._threads_found: int | None = None  # the process's torch threads before the session set its own
         self.log = SessionLog(verbose=verbose, level=log_level)
         self.bus = bus if bus is not None else ev.EventBus()
         self._settings = {**DEFAULT_SETTINGS, **(settings or {})}
@@ -134,6 +136,7 @@ class Session:
         if self._threads is not None:
             import torch
 
+            self._threads_found = torch.get_num_threads()
             torch.set_num_threads(self._threads)
         self._model = model if isinstance(model, Model) else load_model(model, dtype=dtype)
         self.ctx = self._new_context(self._settings, self._spec)
@@ -322,6 +325,10 @@ class Session:
         if hasattr(self, "ctx"):  # a session whose opening failed has none
             self._set_state("closed")
             self._release_context()
+        if self._threads_found is not None:  # the caller's own decodes (and estimates) run as before
+            import torch
+
+            torch.set_num_threads(self._threads_found)
         self.log.close()
 
     def __enter__(self) -> Session:
