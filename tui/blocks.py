@@ -28,6 +28,7 @@ from engine.watch.block_mirror import BlockMirror
 from engine.watch.kv_events.formats import hash_text
 from tui.commands import ListedCommands
 from tui.fit import Part, fit
+from tui.scrolling import scroll_to_lane_row
 from tui.text_panel import TextPanel
 
 INDENT = 1  # columns before a lane's glyphs
@@ -250,12 +251,7 @@ class BlockLanes(ScrollView, can_focus=True, inherit_bindings=False):
 
     def _scroll_to_cursor(self) -> None:
         shown = self.lanes[self.cursor[0]]
-        line = shown.first_line + 1 + self.cursor[1] // shown.per_row
-        top, height = int(self.scroll_offset.y), self.size.height
-        if line - 1 < top:  # the lane's title too, when it fits
-            self.scroll_to(y=max(0, line - 1), animate=False)
-        elif line >= top + height:
-            self.scroll_to(y=line - height + 1, animate=False)
+        scroll_to_lane_row(self, shown.first_line, self.cursor[1] // shown.per_row)
 
     # ---- drawing ---------------------------------------------------------------------------------------
     def render_line(self, y: int) -> Strip:

@@ -20,6 +20,7 @@ from engine.watch import style
 from engine.watch.frames import EMPTY, SHARED, Frame, StreamFrame
 from engine.watch.visibility import CellVisibility
 from tui.fit import Part, fit
+from tui.scrolling import scroll_to_lane_row
 
 LABEL_WIDTH = 6  # "00000 " before each row: the index of its first cell
 TITLE = Style(bold=True)
@@ -166,12 +167,7 @@ class CellGrid(ScrollView, can_focus=True, inherit_bindings=False):
 
     def _scroll_to_cursor(self) -> None:
         lane = self.lanes[self.cursor[0]]
-        line = lane.first_line + 1 + self.cursor[1] // lane.per_row
-        top, height = int(self.scroll_offset.y), self.size.height
-        if line < top + 1:
-            self.scroll_to(y=max(0, line - 1), animate=False)
-        elif line >= top + height:
-            self.scroll_to(y=line - height + 1, animate=False)
+        scroll_to_lane_row(self, lane.first_line, self.cursor[1] // lane.per_row)
 
     # ---- drawing ---------------------------------------------------------------------------------
     def render_line(self, y: int) -> Strip:

@@ -83,10 +83,15 @@ def write_frame(watcher: Watcher, out: TextIO, new: list[ev.Event], *, seconds: 
         text.write(f"{sf.cache} · {window} · stream {sf.stream} · used {sf.used}/{sf.size} · head {sf.head}\n")
         for k, line in enumerate(cell_map(sf.owner, CELLS_PER_ROW)):
             text.write(f"  {k * CELLS_PER_ROW:5d} {line}\n")
-    shown = [e for e in new if isinstance(e, SHOWN_KINDS) and not getattr(e, "tentative", False)]
+    write_events(text, [e for e in new if isinstance(e, SHOWN_KINDS) and not getattr(e, "tentative", False)],
+                 events_per_frame)
+    out.write(text.getvalue())
+    out.flush()
+
+
+def write_events(text: TextIO, shown: list[ev.Event], events_per_frame: int) -> None:
+    """A frame's events, its last `events_per_frame` after their number, saying how many came before them."""
     if len(shown) > events_per_frame:
         text.write(f"  ... {len(shown) - events_per_frame} events before these\n")
     for event in shown[-events_per_frame:]:
         text.write(f"  {event.seq_no:>6} {describe_event(event)}\n")
-    out.write(text.getvalue())
-    out.flush()

@@ -8,8 +8,7 @@ import io
 from typing import Callable, TextIO
 
 from engine import events as ev
-from engine.runners.attach_frames import frame_loop
-from engine.watch.describe import describe_event
+from engine.runners.attach_frames import frame_loop, write_events
 from engine.watch.watcher import Watcher
 
 SHOWN_KINDS = (ev.KvBatchesLost, ev.KvPublisherRestarted, ev.BlocksCleared, ev.KvWorkerSeen)
@@ -71,10 +70,6 @@ def write_block_frame(watcher: Watcher, out: TextIO, new: list[ev.Event], *, sec
             about = ", ".join(part for part in (kind, f"window {window}" if window else "") if part)
             text.write(f"  {medium} group {group}{f' ({about})' if about else ''}: "
                        f"{blocks.held(worker, medium, group)} blocks held{capacity}\n")
-    shown = [e for e in new if isinstance(e, SHOWN_KINDS)]
-    if len(shown) > events_per_frame:
-        text.write(f"  ... {len(shown) - events_per_frame} events before these\n")
-    for event in shown[-events_per_frame:]:
-        text.write(f"  {event.seq_no:>6} {describe_event(event)}\n")
+    write_events(text, [e for e in new if isinstance(e, SHOWN_KINDS)], events_per_frame)
     out.write(text.getvalue())
     out.flush()
