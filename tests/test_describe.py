@@ -48,6 +48,7 @@ def test_a_log_line_names_scattered_cells_as_runs_not_one_span():
     assert cell_runs(np.array([10, 11, 12, 13, 14, 15, 24, 25])) == "10-15 24-25"
     assert cell_runs(np.array([60, 61, 62, 63, 0, 1, 2, 3])) == "60-63 0-3"  # a wrap-around, in placement order
     assert cell_runs(np.array([1, 3, 5, 7, 9])) == "1 3 5 +2 runs"
+    assert cell_runs(np.array([1, 3, 5, 7])) == "1 3 5 +1 run"
     cells = np.array([10, 11, 12, 13, 14, 15, 24, 25])
     change = ev.StreamCells(0, cells, cells + 100, np.zeros(8, dtype=np.int64), np.zeros((8, 32), dtype=np.uint8), 26)
     event = ev.CellsAllocated("base", (change,), ubatch=0, n_tokens=8)

@@ -53,7 +53,7 @@ def cell_runs(cells: np.ndarray) -> str:
     runs = [(int(run[0]), int(run[-1])) for run in np.split(cells, breaks)]
     named = [f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:RUNS_SHOWN]]
     if len(runs) > RUNS_SHOWN:
-        named.append(f"+{len(runs) - RUNS_SHOWN} runs")
+        named.append("+" + _count(len(runs) - RUNS_SHOWN, "run"))
     return " ".join(named)
 
 
